@@ -1,0 +1,88 @@
+"""Held-out accuracy: sample (greedy by default) on test problems, score the answers."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from fp8rl.prompts import encode_prompts
+from fp8rl.rollout.engine import SamplingParams, generate
+from fp8rl.tasks import Problem
+from fp8rl.tasks.rewards import batch_rewards
+
+
+def evaluate(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    problems: Sequence[Problem],
+    *,
+    max_new_tokens: int = 48,
+    temperature: float = 0.0,
+    batch_size: int = 100,
+    seed: int = 0,
+    system_prompt: str = "",
+) -> dict[str, Any]:
+    """Returns {"accuracy", "n", "response_len_mean", "samples": first few (question, completion, gold)}."""
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
+    rewards: list[float] = []
+    lengths: list[int] = []
+    samples: list[dict[str, str]] = []
+    for start in range(0, len(problems), batch_size):
+        chunk = problems[start : start + batch_size]
+        prompts = encode_prompts(tokenizer, [p.question for p in chunk], system_prompt)
+        out = generate(
+            model, prompts, params,
+            eos_ids=tokenizer.eos_token_ids, pad_id=tokenizer.pad_token_id,
+            seeds=[seed * 1_000_003 + start + i for i in range(len(chunk))],
+        )
+        texts = [tokenizer.decode(ids) for ids in out.completion_ids]
+        rewards += batch_rewards(texts, [p.answer for p in chunk])
+        lengths += [len(ids) for ids in out.completion_ids]
+        if len(samples) < 3:
+            samples += [{"question": p.question, "completion": t, "gold": p.answer} for p, t in zip(chunk, texts)][: 3 - len(samples)]
+    n = len(problems)
+    return {
+        "accuracy": sum(r >= 1.0 for r in rewards) / max(n, 1),
+        "n": n,
+        "response_len_mean": sum(lengths) / max(n, 1),
+        "samples": samples,
+    }
+
+
+def measure_mismatch(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    problems: Sequence[Problem],
+    *,
+    samples: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    seed: int = 0,
+    system_prompt: str = "",
+    calibration: Any = None,
+) -> dict[str, Any]:
+    """Sample with the rollout engine, re-score the same tokens with the training
+    forward, and compare: the section-6 mismatch metrics plus `n_tokens`.
+    `model` must already be under its precision flow (apply_flow)."""
+    from fp8rl.rl.metrics import mismatch_metrics
+    from fp8rl.rollout.calibrate import CalibrationConfig, calibrate
+    from fp8rl.rollout.engine import left_pad, score
+
+    prompts = encode_prompts(tokenizer, [p.question for p in problems], system_prompt)
+    prompts = [p for p in prompts for _ in range(samples)]
+    flow = getattr(model, "flow", None)
+    if flow is not None and (flow.kv_cache == "fp8" or flow.attention == "fp8"):
+        tokens, pad_left = left_pad(prompts, tokenizer.pad_token_id)
+        calibrate(model, tokens, pad_left, cfg=calibration or CalibrationConfig())
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
+    out = generate(
+        model, prompts, params, eos_ids=tokenizer.eos_token_ids, pad_id=tokenizer.pad_token_id,
+        seeds=[seed * 1_000_003 + i for i in range(len(prompts))],
+    )
+    with torch.no_grad():
+        logp_train, _ = score(model, out, params.logprob_temperature)
+    metrics = mismatch_metrics(logp_train, out.logprobs, out.completion_mask)
+    metrics["n_tokens"] = out.n_tokens
+    metrics["bitwise_equal"] = bool(torch.equal(logp_train[out.completion_mask], out.logprobs[out.completion_mask]))
+    return metrics

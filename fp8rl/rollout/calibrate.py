@@ -1,0 +1,63 @@
+"""Static FP8 scales for Q, K and V, recalibrated after every optimizer step.
+
+NeMo-RL's recipe: run a forward, take each token's amax per head, and set
+`scale = percentile_99.9(amax) * margin / 448` (margin 1.05). The rollout KV
+cache and the training forward then use these same scales (unified flow); the
+rare values beyond them saturate at +-448 in E4M3.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fp8rl.model.transformer import E4M3_MAX, Transformer, make_context
+from fp8rl.precision import phase
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    percentile: float = 99.9
+    margin: float = 1.05
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.percentile <= 100.0:
+            raise ValueError(f"calibration percentile must be in (0, 100], got {self.percentile}")
+        if self.margin <= 0:
+            raise ValueError(f"calibration margin must be > 0, got {self.margin}")
+
+
+def scales_from_amax(amax: torch.Tensor, cfg: CalibrationConfig) -> torch.Tensor:
+    """amax [n_tokens, H] -> scale [H] = percentile(amax over tokens) * margin / 448.
+    A floor of 1e-4 / 448 keeps an all-zero head from getting a zero scale."""
+    pct = torch.quantile(amax.double(), cfg.percentile / 100.0, dim=0)
+    return (pct * cfg.margin / E4M3_MAX).clamp(min=1e-4 / E4M3_MAX).float()
+
+
+@torch.no_grad()
+def calibrate(
+    model: Transformer,
+    tokens: torch.Tensor,
+    pad_left: torch.Tensor,
+    cache_len: int | None = None,
+    cfg: CalibrationConfig = CalibrationConfig(),
+) -> dict[str, float]:
+    """Set every attention layer's q/k/v scales from a training-phase forward over
+    `tokens` [B, T] (left-padded, pad slots excluded). Returns summary stats."""
+    B, T = tokens.shape
+    amax: dict[int, dict[str, list[torch.Tensor]]] = {}
+    ctx = make_context(pad_left, 0, T, cache_len or T, amax=amax)
+    with phase(model, "train"):
+        model(tokens, ctx, n_last=1)
+    valid = (torch.arange(T, device=tokens.device)[None, :] >= pad_left[:, None]).reshape(-1)  # [B*T]
+    kmax = 0.0
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        rec = amax[attn.layer_idx]
+        for name in ("q", "k", "v"):
+            per_token = torch.cat(rec[name])[valid]  # [n_valid, H]
+            scale = scales_from_amax(per_token, cfg)
+            getattr(attn, f"{name}_scale").copy_(scale)
+        kmax = max(kmax, float(attn.k_scale.max()) * E4M3_MAX)
+    return {"calib_tokens": int(valid.sum()), "calib_k_amax_max": kmax}

@@ -1,0 +1,254 @@
+"""Batched sampling with a static KV cache, and the training-forward scorer.
+
+The batch is a left-padded grid (gpt-fast style): row b's prompt ends at column
+`prompt_len`, completions grow to the right, and every forward sees the same
+`cache_len` key slots. `generate` runs the rollout side of the precision flow
+(FP8Linear phase "rollout"); `score` re-scores the same grid with the training
+forward (phase "train"). Under the unified `jet*` flows both run the same
+quantizers on the same quantized weights and KV scales, so their log-probs
+agree bit for bit on the exact `reference` backend.
+
+Log-probs are those of the sampling policy with temperature applied exactly as
+the trainer applies it: `log_softmax(logits / temperature)`. top-k / top-p only
+restrict which tokens can be drawn; they do not renormalise the recorded
+log-prob (the trainer cannot reproduce a truncated distribution's gradient).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from fp8rl.model.transformer import Transformer, make_context
+from fp8rl.precision import phase
+
+from .kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0  # 0 = greedy (log-probs then at temperature 1)
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    stop_strings: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def logprob_temperature(self) -> float:
+        return self.temperature if self.temperature > 0 else 1.0
+
+
+@dataclass
+class Rollout:
+    """Sampled sequences in the left-padded grid.
+
+    tokens:          LongTensor[B, S]   pads, prompt, completion, pads after a finish
+    pad_left:        LongTensor[B]      pad slots before each prompt
+    prompt_len:      int                column where completions start (= longest prompt)
+    cache_len:       int                key slots every forward attends over
+    completion_mask: BoolTensor[B, S]   True at sampled tokens (the EOS token included)
+    logprobs:        FloatTensor[B, S]  sampling-policy log-prob of each sampled token, 0 elsewhere
+    finish_reasons:  "stop" (EOS or stop string) or "length", per row
+    """
+
+    tokens: torch.Tensor
+    pad_left: torch.Tensor
+    prompt_len: int
+    cache_len: int
+    completion_mask: torch.Tensor
+    logprobs: torch.Tensor
+    finish_reasons: list[str]
+    completion_ids: list[list[int]] = field(default_factory=list)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.completion_mask.sum())
+
+    def select(self, rows: torch.Tensor | Sequence[int]) -> "Rollout":
+        """A sub-batch (for optimizer micro-batches); rows keep their grid layout."""
+        idx = torch.as_tensor(rows, dtype=torch.long)
+        return Rollout(
+            tokens=self.tokens[idx],
+            pad_left=self.pad_left[idx],
+            prompt_len=self.prompt_len,
+            cache_len=self.cache_len,
+            completion_mask=self.completion_mask[idx],
+            logprobs=self.logprobs[idx],
+            finish_reasons=[self.finish_reasons[i] for i in idx.tolist()],
+            completion_ids=[self.completion_ids[i] for i in idx.tolist()] if self.completion_ids else [],
+        )
+
+
+def default_cache_len(prompt_len: int, max_new_tokens: int) -> int:
+    """Key slots for a rollout: rounded up to a multiple of 16 so vectorised
+    reductions over the key axis never take a scalar tail path."""
+    n = prompt_len + max_new_tokens
+    return (n + 15) // 16 * 16
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """prompts -> (tokens [B, width], pad_left [B]) with prompts right-aligned."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    width = width or max(len(p) for p in prompts)
+    tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    pad_left = torch.empty(len(prompts), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        tokens[b, width - len(p) :] = torch.as_tensor(list(p), dtype=torch.long)
+        pad_left[b] = width - len(p)
+    return tokens, pad_left
+
+
+def sample_next(
+    logits: torch.Tensor, params: SamplingParams, generators: Sequence[torch.Generator]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row. logits [B, V] float32 -> (tokens [B], logprobs [B]).
+
+    Each row draws its own uniform noise from its own generator (Gumbel-max), so
+    a sample depends only on its seed, not on the rest of the batch."""
+    temp = params.logprob_temperature
+    logp = torch.log_softmax(logits / temp, dim=-1)
+    if params.temperature == 0:
+        tok = logits.argmax(dim=-1)
+        return tok, logp.gather(-1, tok[:, None])[:, 0]
+    filtered = logp.clone()
+    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+        kth = torch.topk(filtered, params.top_k, dim=-1).values[:, -1:]
+        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logp, order = torch.sort(filtered, dim=-1, descending=True)
+        probs = sorted_logp.exp()
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        drop_sorted = (probs.cumsum(-1) - probs) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        filtered = filtered.masked_fill(drop, float("-inf"))
+    V = logits.shape[-1]
+    u = torch.stack([torch.rand(V, generator=g, device=logits.device) for g in generators])
+    gumbel = -torch.log(-torch.log(u.clamp(min=1e-20)))
+    tok = (filtered + gumbel).argmax(dim=-1)
+    return tok, logp.gather(-1, tok[:, None])[:, 0]
+
+
+@torch.no_grad()
+def generate(
+    model: Transformer,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    *,
+    eos_ids: Sequence[int],
+    pad_id: int,
+    generators: Sequence[torch.Generator] | None = None,
+    seeds: Sequence[int] | None = None,
+    decode: Callable[[list[int]], str] | None = None,
+    cache_len: int | None = None,
+) -> Rollout:
+    """Sample a completion for every prompt (token id lists) with the rollout flow.
+
+    Give either per-sample `generators` or `seeds`; `decode` (ids -> text) is
+    needed for stop strings. Raises if a prompt does not fit the context."""
+    B = len(prompts)
+    if generators is None:
+        if seeds is None:
+            raise ValueError("generate needs per-sample generators or seeds")
+        generators = [torch.Generator(device=model.device).manual_seed(int(s)) for s in seeds]
+    if len(generators) != B:
+        raise ValueError(f"{len(generators)} generators for {B} prompts")
+    if params.stop_strings and decode is None:
+        raise ValueError("stop strings need a decode function (a tokenizer)")
+    P = max(len(p) for p in prompts)
+    max_ctx = model.config.max_position_embeddings
+    if P + params.max_new_tokens > max_ctx:
+        longest = max(range(B), key=lambda b: len(prompts[b]))
+        raise ValueError(
+            f"prompt {longest} has {P} tokens; with max_new_tokens={params.max_new_tokens} it exceeds "
+            f"the model's context of {max_ctx} positions"
+        )
+    L = cache_len or default_cache_len(P, params.max_new_tokens)
+    if L < P + params.max_new_tokens:
+        raise ValueError(f"cache_len {L} < prompt_len {P} + max_new_tokens {params.max_new_tokens}")
+    device = model.device
+    prompt_tokens, pad_left = left_pad(prompts, pad_id)
+    tokens = torch.full((B, P + params.max_new_tokens), pad_id, dtype=torch.long)
+    tokens[:, :P] = prompt_tokens
+    tokens, pad_left = tokens.to(device), pad_left.to(device)
+    logprobs = torch.zeros(tokens.shape, dtype=torch.float32, device=device)
+    mask = torch.zeros(tokens.shape, dtype=torch.bool, device=device)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    reasons = ["length"] * B
+    eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
+    cache = KVCache.for_model(model, B, L)
+
+    with phase(model, "rollout"):
+        logits = model(tokens[:, :P], make_context(pad_left, 0, P, L, cache), n_last=1)[:, -1]
+        steps = 0
+        for t in range(params.max_new_tokens):
+            col = P + t
+            tok, lp = sample_next(logits, params, generators)
+            tok = torch.where(done, torch.full_like(tok, pad_id), tok)
+            live = ~done
+            tokens[:, col] = tok
+            logprobs[:, col] = torch.where(live, lp, torch.zeros_like(lp))
+            mask[:, col] = live
+            steps = t + 1
+            finished = live & torch.isin(tok, eos)
+            for b in finished.nonzero().flatten().tolist():
+                reasons[b] = "stop"
+            if params.stop_strings:
+                for b in (live & ~finished).nonzero().flatten().tolist():
+                    text = decode(tokens[b, P : col + 1][mask[b, P : col + 1]].tolist())
+                    if any(s in text for s in params.stop_strings):
+                        finished[b] = True
+                        reasons[b] = "stop"
+            done |= finished
+            if bool(done.all()) or t == params.max_new_tokens - 1:
+                break
+            logits = model(tok[:, None], make_context(pad_left, col, 1, L, cache))[:, -1]
+
+    S = P + steps
+    tokens, logprobs, mask = tokens[:, :S], logprobs[:, :S], mask[:, :S]
+    completion_ids = [tokens[b, P:][mask[b, P:]].tolist() for b in range(B)]
+    return Rollout(tokens, pad_left, P, L, mask, logprobs, reasons, completion_ids)
+
+
+def score(
+    model: Transformer,
+    rollout: Rollout,
+    temperature: float = 1.0,
+    *,
+    with_entropy: bool = False,
+    amax: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The training forward: log-prob of every token of the grid.
+
+    Returns (logp [B, S] with 0 outside the completion region, entropy [B, S] or
+    None). Differentiable; runs FP8Linear in phase "train" (the caller's grad
+    mode decides whether a graph is built). Only completion positions go through
+    the lm_head, which keeps memory at B x (S - prompt_len) x vocab."""
+    tokens, P = rollout.tokens, rollout.prompt_len
+    B, S = tokens.shape
+    ctx = make_context(rollout.pad_left, 0, S, rollout.cache_len, amax=amax)
+    with phase(model, "train"):
+        logits = model(tokens, ctx, n_last=S - P + 1)[:, :-1]  # predicts columns P .. S-1
+    logp_all = torch.log_softmax(logits / temperature, dim=-1)
+    target = tokens[:, P:]
+    logp = torch.zeros(B, S, dtype=logp_all.dtype, device=tokens.device)
+    logp[:, P:] = logp_all.gather(-1, target[..., None])[..., 0]
+    logp = torch.where(rollout.completion_mask, logp, torch.zeros_like(logp))
+    entropy = None
+    if with_entropy:
+        ent = -(logp_all.exp() * logp_all).sum(-1)
+        entropy = torch.zeros(B, S, dtype=ent.dtype, device=tokens.device)
+        entropy[:, P:] = ent
+    return logp, entropy

@@ -1,0 +1,80 @@
+"""A preallocated, static-shape KV cache (gpt-fast style), in FP32, BF16 or FP8.
+
+Layout per layer: K and V as [B, n_kv_heads, cache_len, head_dim]. FP8 caches
+hold E4M3 data with the attention module's per-KV-head FP32 scales (static
+during a rollout, recalibrated between steps), so an FP8 cache takes
+1 byte per element plus 2 x n_kv_heads scales per layer: about half of BF16.
+"""
+
+from __future__ import annotations
+
+import torch
+
+STORAGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+
+
+class KVCache:
+    def __init__(
+        self,
+        n_layers: int,
+        batch: int,
+        n_kv_heads: int,
+        cache_len: int,
+        head_dim: int,
+        precision: str = "bf16",
+        k_scales: list[torch.Tensor] | None = None,
+        v_scales: list[torch.Tensor] | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if precision not in STORAGE_DTYPES:
+            raise ValueError(f"unknown KV cache precision {precision!r}; valid: {', '.join(STORAGE_DTYPES)}")
+        if precision == "fp8" and (k_scales is None or v_scales is None):
+            raise ValueError("an FP8 KV cache needs per-layer K and V scales")
+        self.precision = precision
+        self.cache_len = cache_len
+        dtype = STORAGE_DTYPES[precision]
+        shape = (batch, n_kv_heads, cache_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        # scales as [1, H, 1, 1] for broadcasting; copies, so recalibration mid-rollout cannot leak in
+        self.k_scales = [s.detach().clone().view(1, -1, 1, 1) for s in k_scales] if k_scales else None
+        self.v_scales = [s.detach().clone().view(1, -1, 1, 1) for s in v_scales] if v_scales else None
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, batch: int, cache_len: int) -> "KVCache":
+        """A cache matching `model`'s config and its attention storage precision."""
+        c = model.config
+        attns = [layer.self_attn for layer in model.model.layers]
+        precision = attns[0].kv_precision
+        fp8 = precision == "fp8"
+        return cls(
+            c.num_layers, batch, c.num_kv_heads, cache_len, c.head_dim, precision,
+            k_scales=[a.k_scale for a in attns] if fp8 else None,
+            v_scales=[a.v_scale for a in attns] if fp8 else None,
+            device=model.device,
+        )
+
+    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write stored K/V [B, H, T, D] at slots [start, start+T); return the whole
+        cache of this layer as float32 values [B, H, cache_len, D]."""
+        T = k.shape[2]
+        if start + T > self.cache_len:
+            raise ValueError(f"KV cache overflow: slots [{start}, {start + T}) exceed cache_len {self.cache_len}")
+        self.k[layer][:, :, start : start + T] = k
+        self.v[layer][:, :, start : start + T] = v
+        kf, vf = self.k[layer].float(), self.v[layer].float()
+        if self.precision == "fp8":
+            kf, vf = kf * self.k_scales[layer], vf * self.v_scales[layer]
+        return kf, vf
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only batch rows `rows` (drop finished sequences)."""
+        self.k = [t[rows] for t in self.k]
+        self.v = [t[rows] for t in self.v]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: data plus scales."""
+        data = sum(t.numel() * t.element_size() for t in self.k + self.v)
+        scales = sum(s.numel() * s.element_size() for s in (self.k_scales or []) + (self.v_scales or []))
+        return data + scales

@@ -1,0 +1,271 @@
+"""Verifiable rewards: pull the final answer out of a completion, compare it with the gold one.
+
+    reward("5 + 3 = 8\\n#### 8", "8")            -> 1.0
+    reward("so the answer is \\\\boxed{7/2}", "3.5")  -> 1.0
+    reward("0.1+0.2", "0.3")                     -> 0.0   (expressions are never evaluated)
+
+Extraction prefers, in order: the last `#### N` line, the last `\\boxed{...}`,
+then the last number in the text. Numbers are normalised ("1,000" -> "1000",
+"3.50" -> "3.5", "\\frac{7}{2}" -> "7/2", "$12." -> "12", "12 apples" -> "12").
+
+Comparison is exact arithmetic on Fractions (with a 1e-6 relative tolerance
+when either side is written as a decimal). A numeric gold answer needs a
+numeric prediction: "3+4" does not earn the reward for 7, or a policy could
+learn to skip the computation. Only a non-numeric gold answer ("\\sqrt{2}",
+"x+1") goes to math-verify, if installed, restricted to its LaTeX parser and
+run under a time limit. Model output is never run as code (no eval, exec or
+sympify of raw text), and only its last `max_chars` characters are read.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import signal
+import threading
+import time
+from contextlib import contextmanager
+from fractions import Fraction
+from typing import Callable, Iterator, NamedTuple, Sequence, TypeVar
+
+MAX_CHARS = 2000  # the final answer sits at the end; reading less bounds the work
+
+# A plain number: 1,000 (thousands commas) | 42 | with optional .5 decimals | .5
+_NUM = r"(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)"
+_FRAC = rf"\\[dt]?frac\{{\s*(?P<fsign>-?)\s*(?P<fnum>{_NUM})\s*\}}\{{\s*(?P<fden>{_NUM})\s*\}}"
+_WHOLE_NUMBER = re.compile(
+    rf"(?P<sign>[-+]?)\s*(?:{_FRAC}|(?P<num>{_NUM})(?:\s*/\s*(?P<den>{_NUM}))?)"
+)
+# Numbers in free text. A minus counts as a sign only when it does not follow
+# a digit, letter or bracket ("5-3" ends in 3, "x = -3" in -3).
+_ANY_NUMBER = re.compile(
+    rf"(?:(?<![\w)\]}}])-)?(?:\\[dt]?frac\{{\s*-?(?:{_NUM})\s*\}}\{{\s*(?:{_NUM})\s*\}}|(?:{_NUM})(?:/(?:{_NUM}))?)"
+)
+_TEXT_WRAPPER = re.compile(r"\\(?:text|textbf|textrm|mathrm|mathbf|mbox)\s*\{([^{}]*)\}")
+_NOISE = re.compile(r"\\\$|\$|\\%|%|\\[!,;: ]|\^\{?\\circ\}?|\\left|\\right|\\displaystyle")
+_TRAILING_WORDS = re.compile(r"(?:\s+[A-Za-z][A-Za-z/]*)+$")  # " apples", " km/h"
+
+
+class Number(NamedTuple):
+    """An exact value, and whether it was written with a decimal point."""
+
+    value: Fraction
+    decimal: bool
+
+
+def _clean(text: str) -> str:
+    """Strip what surrounds an answer: $, %, \\text{...} wrappers, LaTeX spacing,
+    a `x =` prefix, trailing periods and whitespace."""
+    text = text.replace("\u2212", "-")  # unicode minus
+    text = _TEXT_WRAPPER.sub(r" \1 ", text)
+    text = _NOISE.sub("", text)
+    if "=" in text:
+        text = text.rpartition("=")[2]  # "x = 5" -> "5"
+    return text.strip().rstrip(".").strip()
+
+
+def parse_number(text: str) -> Number | None:
+    """Read `text` as one number (integer, decimal, a/b or \\frac{a}{b}), else None.
+
+    Allows the decorations `_clean` removes and trailing unit words
+    ("12 apples"). Anything else, such as "3+4" or "1/0", is not a number.
+    """
+    cleaned = _clean(text)
+    match = _WHOLE_NUMBER.fullmatch(cleaned) or _WHOLE_NUMBER.fullmatch(
+        _TRAILING_WORDS.sub("", cleaned)
+    )
+    if match is None:
+        return None
+    if match["num"] is not None:
+        sign, num, den = match["sign"], match["num"], match["den"]
+    else:
+        sign = "-" if (match["sign"] == "-") != (match["fsign"] == "-") else ""
+        num, den = match["fnum"], match["fden"]
+    value = Fraction(num.replace(",", ""))
+    if den is not None:
+        divisor = Fraction(den.replace(",", ""))
+        if divisor == 0:
+            return None
+        value /= divisor
+    if sign == "-":
+        value = -value
+    return Number(value, decimal="." in num or "." in (den or ""))
+
+
+def format_number(number: Number) -> str:
+    """Canonical text: "42", "-3", "3.5" (if written as a decimal), "7/2"."""
+    value = number.value
+    p, q = value.numerator, value.denominator
+    if q == 1:
+        return str(p)
+    twos, fives, rest = 0, 0, q
+    while rest % 2 == 0:
+        rest, twos = rest // 2, twos + 1
+    while rest % 5 == 0:
+        rest, fives = rest // 5, fives + 1
+    if not number.decimal or rest != 1:
+        return f"{p}/{q}"
+    places = max(twos, fives)  # q divides 10**places, so the decimal is exact
+    digits = str(abs(p) * 10**places // q).rjust(places + 1, "0")
+    return f"{'-' if p < 0 else ''}{digits[:-places]}.{digits[-places:]}"
+
+
+def normalize_answer(text: str) -> str:
+    """Canonical form of an answer string: a formatted number if it is one,
+    else the cleaned text ("x+1", "\\sqrt{2}")."""
+    number = parse_number(text)
+    return format_number(number) if number is not None else _clean(text)
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last complete `\\boxed{...}` (or `\\fbox{...}`), nested braces allowed."""
+    for match in reversed(list(re.finditer(r"\\(?:boxed|fbox)\s*\{", text))):
+        depth = 1
+        for i in range(match.end(), len(text)):
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            if depth == 0:
+                return text[match.end() : i]
+    return None
+
+
+def extract_answer(text: str, *, max_chars: int = MAX_CHARS) -> str | None:
+    """The final answer of a completion, normalised, or None when there is none.
+
+    Looks at the last `max_chars` characters only, and prefers the last
+    `#### N`, then the last `\\boxed{...}`, then the last number.
+    """
+    text = text[-max_chars:].replace("\u2212", "-")  # unicode minus
+    if "####" in text:
+        final = text.rpartition("####")[2].split("\n", 1)[0]
+        if final.strip():
+            return normalize_answer(final)
+    boxed = last_boxed(text)
+    if boxed is not None and boxed.strip():
+        return normalize_answer(boxed)
+    numbers = _ANY_NUMBER.findall(text)
+    if numbers:
+        number = parse_number(numbers[-1])
+        if number is not None:
+            return format_number(number)
+    return None
+
+
+def _close(a: Number, b: Number) -> bool:
+    if a.decimal or b.decimal:
+        return abs(a.value - b.value) <= Fraction(1, 10**6) * max(abs(a.value), abs(b.value))
+    return a.value == b.value
+
+
+def _squash(text: str) -> str:
+    return re.sub(r"\s+", "", _clean(text))
+
+
+def answers_equal(pred: str, gold: str, *, timeout_s: float = 1.0) -> bool:
+    """Whether an extracted answer matches the gold answer.
+
+    Numeric gold: exact Fraction comparison (1e-6 relative if a decimal is
+    involved); the prediction must itself be a number. Non-numeric gold: equal
+    text after cleaning, else math-verify's LaTeX equivalence when installed,
+    within `timeout_s` seconds (and only in the main thread, where a timer
+    signal can interrupt it; elsewhere the text comparison decides).
+    """
+    gold_number = parse_number(gold)
+    if gold_number is not None:
+        pred_number = parse_number(pred)
+        return pred_number is not None and _close(pred_number, gold_number)
+    if _squash(pred) == _squash(gold):
+        return True
+    return _math_verify_equal(_clean(pred), _clean(gold), timeout_s)
+
+
+def reward(completion: str, gold: str, *, timeout_s: float = 1.0, max_chars: int = MAX_CHARS) -> float:
+    """1.0 if the completion's final answer equals `gold`, else 0.0."""
+    pred = extract_answer(completion, max_chars=max_chars)
+    if pred is None:
+        return 0.0
+    return 1.0 if answers_equal(pred, gold, timeout_s=timeout_s) else 0.0
+
+
+def batch_rewards(
+    completions: Sequence[str], golds: Sequence[str], *, timeout_s: float = 1.0
+) -> list[float]:
+    """`reward` for each (completion, gold) pair."""
+    if len(completions) != len(golds):
+        raise ValueError(f"{len(completions)} completions but {len(golds)} gold answers")
+    return [reward(c, g, timeout_s=timeout_s) for c, g in zip(completions, golds)]
+
+
+# ---------------------------------------------------------------- math-verify
+
+T = TypeVar("T")
+
+
+class _TimeLimit(BaseException):
+    """Raised by the timer signal; a BaseException so that the `except
+    Exception` blocks inside math-verify and sympy cannot swallow it."""
+
+
+def run_with_time_limit(fn: Callable[[], T], seconds: float) -> T | None:
+    """`fn()`, or None if it runs past `seconds` or cannot be timed.
+
+    Uses the real-time interval timer (SIGALRM), which only the main thread
+    receives: elsewhere it returns None without calling `fn`. An outer timer
+    already running (pytest-timeout, a supervisor) is honoured and re-armed
+    with its remaining time afterwards.
+    """
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        return None
+
+    def on_alarm(signum: int, frame: object) -> None:
+        raise _TimeLimit
+
+    outer_left = signal.getitimer(signal.ITIMER_REAL)[0]
+    start = time.monotonic()
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    try:
+        try:
+            signal.setitimer(signal.ITIMER_REAL, min(seconds, outer_left) if outer_left else seconds)
+            return fn()
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)  # may itself be interrupted: outer except
+    except _TimeLimit:
+        return None
+    finally:
+        signal.signal(signal.SIGALRM, previous if previous is not None else signal.SIG_DFL)
+        if outer_left:
+            signal.setitimer(signal.ITIMER_REAL, max(outer_left - (time.monotonic() - start), 1e-3))
+
+
+@contextmanager
+def _quiet_math_verify() -> Iterator[None]:
+    # With its own (alarm-based) timeouts off, math-verify warns that the caller
+    # must time it; we do, so hide that warning while we call it.
+    loggers = [logging.getLogger(f"math_verify.{m}") for m in ("parser", "grader")]
+    before = [lg.disabled for lg in loggers]
+    for lg in loggers:
+        lg.disabled = True
+    try:
+        yield
+    finally:
+        for lg, was in zip(loggers, before):
+            lg.disabled = was
+
+
+def _math_verify_equal(pred: str, gold: str, timeout_s: float) -> bool:
+    try:
+        import math_verify  # imported outside the time limit: an interrupted import breaks it
+    except ImportError:
+        return False
+    # LaTeX only: math-verify's plain-expression parser goes through sympy's
+    # parse_expr, which evaluates Python code.
+    config = [math_verify.LatexExtractionConfig()]
+
+    def compare() -> bool:
+        gold_parsed = math_verify.parse(f"${gold}$", extraction_config=config, parsing_timeout=None)
+        pred_parsed = math_verify.parse(f"${pred}$", extraction_config=config, parsing_timeout=None)
+        if not gold_parsed or not pred_parsed:
+            return False
+        return bool(math_verify.verify(gold_parsed, pred_parsed, timeout_seconds=None))
+
+    with _quiet_math_verify():
+        return bool(run_with_time_limit(compare, timeout_s))

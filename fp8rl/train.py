@@ -1,0 +1,406 @@
+"""The GRPO trainer with the unified precision flow.
+
+One step, data flowing one way:
+
+    problems -> rollout (FP8Linear phase "rollout", weights quantized once)
+             -> rewards -> group advantages
+             -> behaviour log-probs: the training forward on the same tokens
+                (same quantized weights, same KV scales), no grad
+             -> mismatch metrics and importance weights vs the rollout log-probs
+             -> `micro_batches` optimizer steps, each: training forward,
+                PPO loss, backward, clip, AdamW on FP32 master weights,
+                quantize the weights once
+             -> sync: recalibrate the Q/K/V FP8 scales (FP8 KV / attention flows)
+
+Everything random is derived from (seed, step, row): a run resumed from a
+checkpoint repeats an uninterrupted run number for number.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import math
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from fp8rl.checkpoint import checkpoint_path, latest_checkpoint, load_checkpoint, save_checkpoint
+from fp8rl.config import RunConfig, save_config
+from fp8rl.evaluate import evaluate
+from fp8rl.logging import RunLogger, read_metrics, write_summary
+from fp8rl.model.transformer import Transformer, apply_flow
+from fp8rl.precision import PRESETS, refresh_weights
+from fp8rl.prompts import encode_prompts
+from fp8rl.rl.correction import importance_weights
+from fp8rl.rl.grpo import group_advantages, masked_mean, policy_loss
+from fp8rl.rl.metrics import METRIC_NAMES, mismatch_metrics
+from fp8rl.rollout.calibrate import CalibrationConfig, calibrate
+from fp8rl.rollout.engine import Rollout, SamplingParams, generate, left_pad, score
+from fp8rl.tasks import Problem, Task, make_task
+from fp8rl.tasks.rewards import batch_rewards
+
+
+class TrainingError(RuntimeError):
+    pass
+
+
+def resolve_backend(backend: str, model: Transformer) -> str | None:
+    """'auto': the exact reference GEMMs for small models on CPU (cheap, and rollout
+    and training then agree bit for bit), the fast CPU backend otherwise."""
+    if backend != "auto":
+        return backend
+    if model.device.type != "cpu":
+        return None
+    n_params = sum(p.numel() for p in model.parameters())
+    return "reference" if n_params <= 5_000_000 else "cpu"
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss_kb * (1 if sys.platform == "darwin" else 1024))
+
+
+def lr_at(cfg: RunConfig, step: int) -> float:
+    t = cfg.train
+    if t.warmup_steps and step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    if t.lr_schedule == "cosine":
+        progress = (step - t.warmup_steps) / max(t.steps - t.warmup_steps, 1)
+        return t.lr * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    return t.lr
+
+
+def sample_seed(seed: int, step: int, row: int) -> int:
+    """A distinct, reproducible sampling seed for every (run seed, step, row)."""
+    return (seed * 1_000_003 + step) * 100_003 + row
+
+
+@dataclass
+class StepResult:
+    metrics: dict[str, float]
+    rollout: Rollout
+
+
+class Trainer:
+    """Owns the model, optimizer, task stream and run directory of one GRPO run."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        *,
+        model: Transformer | None = None,
+        tokenizer: Any = None,
+        resume: bool = False,
+        log: Callable[[str], None] = print,
+    ) -> None:
+        self.cfg = cfg
+        self.log = log
+        self.run_dir = Path(cfg.out)
+        self._check_run_dir(resume)
+        if model is None:
+            from fp8rl.model import load
+
+            model, tokenizer = load(cfg.model)
+        if tokenizer is None:
+            raise ValueError(f"model {cfg.model!r} has no tokenizer; RL needs one to read answers")
+        self.tokenizer = tokenizer
+        self.flow = PRESETS[cfg.flow]
+        self.backend = resolve_backend(cfg.backend, model)
+        self.model = model
+        self.ref_model = self._frozen_copy(model) if cfg.train.kl_coef > 0 else None
+        self.converted = apply_flow(model, self.flow, backend=self.backend)
+        refresh_weights(model)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        t = cfg.train
+        self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+        self.task: Task = make_task(cfg.task)
+        self.test_problems = self.task.test_problems(cfg.eval.n) if cfg.eval.n > 0 else []
+        self.calib_cfg = CalibrationConfig(cfg.calibration.percentile, cfg.calibration.margin)
+        self.needs_calibration = self.flow.kv_cache == "fp8" or self.flow.attention == "fp8"
+        self.step = 0
+        self.bad_steps = 0
+        self.skipped_steps = 0
+        if resume and latest_checkpoint(self.run_dir) is not None:
+            self._resume()
+        elif self.needs_calibration:
+            self._initial_calibration()
+        self.stream = self._problem_stream(self.step)
+
+    # -- setup -------------------------------------------------------------------------
+
+    def _check_run_dir(self, resume: bool) -> None:
+        cfg_path = self.run_dir / "config.json"
+        if cfg_path.exists():
+            saved = json.loads(cfg_path.read_text())
+            mine = self.cfg.to_dict()
+            # the step budget may grow on resume; everything else must match
+            diff = sorted(k for k in set(saved) | set(mine) if k != "train" and saved.get(k) != mine.get(k))
+            train_diff = sorted(
+                k for k in set(saved.get("train", {})) | set(mine["train"])
+                if k != "steps" and saved.get("train", {}).get(k) != mine["train"].get(k)
+            )
+            if diff or train_diff:
+                keys = diff + [f"train.{k}" for k in train_diff]
+                raise TrainingError(
+                    f"output directory {self.run_dir} holds a different run (config differs in: "
+                    f"{', '.join(keys)}); choose another --out or delete it"
+                )
+            if not resume:
+                raise TrainingError(
+                    f"output directory {self.run_dir} already holds this run; pass --resume to continue it "
+                    f"or choose another --out"
+                )
+        elif self.run_dir.exists() and any(self.run_dir.iterdir()):
+            raise TrainingError(f"output directory {self.run_dir} is not empty and holds no fp8rl run")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(self.cfg, cfg_path)
+
+    @staticmethod
+    def _frozen_copy(model: Transformer) -> Transformer:
+        ref = copy.deepcopy(model)
+        for p in ref.parameters():
+            p.requires_grad_(False)
+        return ref
+
+    def _problem_stream(self, start_step: int):
+        """Problems for steps >= start_step: the stream replayed from its start, so a
+        resumed run sees exactly the problems an uninterrupted one would."""
+        stream = self.task.train_problems(self.cfg.seed)
+        skip = start_step * self.cfg.rollout.prompts_per_step
+        return itertools.islice(stream, skip, None)
+
+    def _initial_calibration(self) -> None:
+        """First Q/K/V scales, from the prompts of step 0 (no completions exist yet)."""
+        first = list(itertools.islice(self.task.train_problems(self.cfg.seed), self.cfg.rollout.prompts_per_step))
+        prompts = encode_prompts(self.tokenizer, [p.question for p in first], self.cfg.system_prompt)
+        tokens, pad_left = left_pad(prompts, self.tokenizer.pad_token_id)
+        calibrate(self.model, tokens, pad_left, cfg=self.calib_cfg)
+
+    def _attention_scales(self) -> dict[str, list[float]]:
+        out: dict[str, list[float]] = {}
+        for i, layer in enumerate(self.model.model.layers):
+            for name in ("q", "k", "v"):
+                out[f"{i}.{name}"] = getattr(layer.self_attn, f"{name}_scale").tolist()
+        return out
+
+    def _set_attention_scales(self, scales: dict[str, list[float]]) -> None:
+        for i, layer in enumerate(self.model.model.layers):
+            for name in ("q", "k", "v"):
+                getattr(layer.self_attn, f"{name}_scale").copy_(torch.tensor(scales[f"{i}.{name}"]))
+
+    def _resume(self) -> None:
+        ckpt = latest_checkpoint(self.run_dir)
+        meta = load_checkpoint(ckpt, self.model, self.optimizer)
+        self.step = int(meta["step"])
+        self.bad_steps = int(meta.get("bad_steps", 0))
+        self.skipped_steps = int(meta.get("skipped_steps", 0))
+        self._set_attention_scales(meta["attention_scales"])
+        refresh_weights(self.model)
+        RunLogger(self.run_dir, use_tensorboard=False).truncate_after(self.step)
+        self.log(f"resumed from {ckpt} at step {self.step}")
+
+    def save(self) -> Path:
+        meta = {
+            "step": self.step,
+            "bad_steps": self.bad_steps,
+            "skipped_steps": self.skipped_steps,
+            "attention_scales": self._attention_scales(),
+            "flow": self.flow.name,
+            "config": self.cfg.to_dict(),
+        }
+        path = save_checkpoint(
+            checkpoint_path(self.run_dir, self.step),
+            model_state=self.model.state_dict(),
+            optimizer=self.optimizer,
+            rng_state={},
+            meta=meta,
+            keep_last=self.cfg.checkpoint.keep_last,
+        )
+        save_config(self.cfg, path / "config.json")
+        return path
+
+    # -- one step ----------------------------------------------------------------------
+
+    def rollout(self, problems: list[Problem]) -> tuple[Rollout, torch.Tensor, list[str]]:
+        G = self.cfg.rollout.group_size
+        r = self.cfg.rollout
+        prompts = encode_prompts(self.tokenizer, [p.question for p in problems], self.cfg.system_prompt)
+        prompts = [p for p in prompts for _ in range(G)]
+        golds = [p.answer for p in problems for _ in range(G)]
+        params = SamplingParams(
+            max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k
+        )
+        out = generate(
+            self.model, prompts, params,
+            eos_ids=self.tokenizer.eos_token_ids, pad_id=self.tokenizer.pad_token_id,
+            seeds=[sample_seed(self.cfg.seed, self.step, i) for i in range(len(prompts))],
+        )
+        texts = [self.tokenizer.decode(ids) for ids in out.completion_ids]
+        rewards = torch.tensor(batch_rewards(texts, golds), dtype=torch.float32)
+        return out, rewards, texts
+
+    def train_step(self) -> StepResult:
+        cfg, t = self.cfg, self.cfg.train
+        temp = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+        t_start = time.perf_counter()
+        problems = list(itertools.islice(self.stream, cfg.rollout.prompts_per_step))
+
+        out, rewards, _ = self.rollout(problems)
+        t_rollout = time.perf_counter() - t_start
+
+        t0 = time.perf_counter()
+        adv = group_advantages(rewards, cfg.rollout.group_size, t.normalize_std)
+        mask = out.completion_mask
+        with torch.no_grad():
+            old_logp, _ = score(self.model, out, temp)
+            ref_logp = score(self.ref_model, out, temp)[0] if self.ref_model is not None else None
+        mismatch = mismatch_metrics(old_logp, out.logprobs, mask)
+        weights, is_stats = importance_weights(
+            old_logp, out.logprobs, mask, t.correction, cap=t.is_cap, lo=t.is_lo, hi=t.is_hi
+        )
+
+        lr = lr_at(cfg, self.step)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        B = out.tokens.shape[0]
+        mb = B // t.micro_batches
+        losses, grad_norms, clip_fracs, entropies = [], [], [], []
+        for i in range(t.micro_batches):
+            rows = torch.arange(i * mb, (i + 1) * mb)
+            sub = out.select(rows)
+            logp, ent = score(self.model, sub, temp, with_entropy=True)
+            loss, stats = policy_loss(
+                logp, old_logp[rows], adv[rows], sub.completion_mask,
+                eps_low=t.eps_low, eps_high=t.eps_high, is_weights=weights[rows],
+                ref_logp=ref_logp[rows] if ref_logp is not None else None, kl_coef=t.kl_coef,
+            )
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip)
+            if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
+                self.bad_steps += 1
+                self.skipped_steps += 1
+                self.optimizer.zero_grad(set_to_none=True)
+                self.log(f"step {self.step}: non-finite loss or gradient, optimizer step skipped")
+                if self.bad_steps >= t.max_bad_steps:
+                    raise TrainingError(f"{self.bad_steps} non-finite optimizer steps in a row; stopping")
+            else:
+                self.bad_steps = 0
+                self.optimizer.step()
+            refresh_weights(self.model)  # quantize once per optimizer step
+            losses.append(loss.item())
+            grad_norms.append(float(grad_norm))
+            clip_fracs.append(stats["ppo_clip_frac"])
+            entropies.append(float(masked_mean(ent.detach(), sub.completion_mask)))
+        t_train = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        if self.needs_calibration:
+            calibrate(self.model, out.tokens, out.pad_left, out.cache_len, self.calib_cfg)
+        t_sync = time.perf_counter() - t0
+        self.step += 1
+
+        n_tok = out.n_tokens
+        metrics: dict[str, float] = {
+            **{k: mismatch[k] for k in ("token_mult_prob_error", "max_abs_logprob_diff", "mean_abs_logprob_diff", "gen_kl")},
+            **{k: is_stats[k] for k in ("is_weight_mean", "is_weight_max", "is_clip_frac")},
+            "reward_mean": float(rewards.mean()),
+            "accuracy": float((rewards >= 1.0).float().mean()),
+            "response_len_mean": n_tok / B,
+            "entropy": sum(entropies) / len(entropies),
+            "loss": sum(losses) / len(losses),
+            "grad_norm": sum(grad_norms) / len(grad_norms),
+            "lr": lr,
+            "ppo_clip_frac": sum(clip_fracs) / len(clip_fracs),
+            "time_rollout_s": t_rollout,
+            "time_train_s": t_train,
+            "time_sync_s": t_sync,
+            "time_step_s": time.perf_counter() - t_start,
+            "rollout_tokens_per_s": n_tok / max(t_rollout, 1e-9),
+            "peak_mem_bytes": peak_memory_bytes(self.model.device),
+            "skipped_steps": self.skipped_steps,
+        }
+        missing = set(METRIC_NAMES) - set(metrics)
+        assert not missing, f"metrics missing: {missing}"
+        return StepResult(metrics, out)
+
+    def evaluate(self) -> dict[str, Any]:
+        e = self.cfg.eval
+        return evaluate(
+            self.model, self.tokenizer, self.test_problems, max_new_tokens=e.max_new_tokens,
+            temperature=e.temperature, batch_size=e.batch_size, seed=self.cfg.seed,
+            system_prompt=self.cfg.system_prompt,
+        )
+
+    # -- the loop ----------------------------------------------------------------------
+
+    def run(self, progress: bool = True) -> dict[str, Any]:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        cfg = self.cfg
+        t_run = time.perf_counter()
+        logger = RunLogger(self.run_dir)
+        evals = {int(r["step"]): r for r in read_metrics(self.run_dir / "eval.jsonl")} if (self.run_dir / "eval.jsonl").exists() else {}
+        try:
+            if self.step == 0 and self.test_problems and 0 not in evals:
+                ev = self.evaluate()
+                logger.log_eval(0, {"accuracy": ev["accuracy"], "n": ev["n"]})
+                evals[0] = {"accuracy": ev["accuracy"]}
+                self.log(f"held-out accuracy before training: {ev['accuracy']:.3f} (n={ev['n']})")
+            columns = [TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                       TextColumn("{task.fields[info]}")]
+            with Progress(*columns, disable=not progress, transient=False) as bar:
+                task_id = bar.add_task("train", total=cfg.train.steps, completed=self.step, info="")
+                while self.step < cfg.train.steps:
+                    result = self.train_step()
+                    m = result.metrics
+                    logger.log_step(self.step, m)
+                    bar.update(task_id, completed=self.step, info=(
+                        f"reward {m['reward_mean']:.3f}  mismatch {m['token_mult_prob_error']:.5f}  "
+                        f"len {m['response_len_mean']:.1f}  {m['time_step_s']:.1f}s/step"))
+                    at_end = self.step == cfg.train.steps
+                    if self.test_problems and ((cfg.eval.every and self.step % cfg.eval.every == 0) or at_end):
+                        ev = self.evaluate()
+                        logger.log_eval(self.step, {"accuracy": ev["accuracy"], "n": ev["n"]})
+                        evals[self.step] = {"accuracy": ev["accuracy"]}
+                    if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or at_end:
+                        self.save()
+        finally:
+            logger.close()
+        return self.finish(evals, time.perf_counter() - t_run)
+
+    def finish(self, evals: dict[int, dict[str, Any]], wall_s: float) -> dict[str, Any]:
+        from fp8rl.plots import plot_run
+
+        rows = read_metrics(self.run_dir / "metrics.jsonl")
+        acc = {s: e["accuracy"] for s, e in sorted(evals.items())}
+        summary: dict[str, Any] = {
+            "flow": self.flow.name,
+            "model": self.cfg.model,
+            "task": self.cfg.task,
+            "backend": self.backend,
+            "steps": self.step,
+            "eval_accuracy_before": acc.get(0),
+            "eval_accuracy_after": acc[max(acc)] if acc else None,
+            "eval_accuracy": acc,
+            "reward_mean_first": rows[0]["reward_mean"] if rows else None,
+            "reward_mean_last5": sum(r["reward_mean"] for r in rows[-5:]) / max(len(rows[-5:]), 1) if rows else None,
+            "token_mult_prob_error_mean": sum(r["token_mult_prob_error"] for r in rows) / len(rows) if rows else None,
+            "token_mult_prob_error_max": max(r["token_mult_prob_error"] for r in rows) if rows else None,
+            "time_step_s_mean": sum(r["time_step_s"] for r in rows) / len(rows) if rows else None,
+            "skipped_steps": self.skipped_steps,
+            "wall_time_s": wall_s,
+            "converted_linears": len(self.converted),
+        }
+        write_summary(self.run_dir, summary)
+        summary["plots"] = [str(p) for p in plot_run(self.run_dir)]
+        return summary

@@ -1,0 +1,193 @@
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import fp8rl.checkpoint as ckpt
+from fp8rl.checkpoint import (
+    CheckpointError,
+    checkpoint_path,
+    get_rng_state,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+
+
+def _model(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _setup(seed):
+    model = _model(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    gens = {
+        "data": torch.Generator().manual_seed(seed),
+        "py": random.Random(seed),
+        "np": np.random.default_rng(seed),
+    }
+    return model, opt, gens
+
+
+def _train(model, opt, gens, steps):
+    """Steps whose data depend on all three generators; returns the losses."""
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(16, 4, generator=gens["data"])
+        noise = gens["py"].random() + float(gens["np"].normal())
+        loss = ((model(x) - noise) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+def _save(run, step, model, opt, gens, **kw):
+    return save_checkpoint(
+        checkpoint_path(run, step), model_state=model.state_dict(), optimizer=opt,
+        rng_state=get_rng_state(gens), meta={"step": step, "flow": "jet"}, **kw,
+    )
+
+
+def test_resume_continues_training_bit_for_bit(tmp_path):
+    model, opt, gens = _setup(0)
+    _train(model, opt, gens, 3)
+    path = _save(tmp_path, 3, model, opt, gens)
+    expected = _train(model, opt, gens, 3)
+
+    model2, opt2, gens2 = _setup(123)  # different init, optimizer and RNG streams
+    meta = load_checkpoint(path, model2, opt2, generators=gens2)
+    assert meta == {"step": 3, "flow": "jet"}
+    got = _train(model2, opt2, gens2, 3)
+    assert torch.equal(got, expected)
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_checkpoint_holds_only_safetensors_and_json(tmp_path):
+    model, opt, gens = _setup(0)
+    _train(model, opt, gens, 1)
+    path = _save(tmp_path, 1, model, opt, gens)
+    names = sorted(p.name for p in path.iterdir())
+    assert names == [
+        "meta.json", "model.safetensors", "optimizer.json", "optimizer.safetensors", "rng.json", "rng.safetensors",
+    ]
+    # the parent holds only the finished step dir
+    assert [p.name for p in path.parent.iterdir()] == ["step_1"]
+
+
+def test_latest_ignores_tmp_dirs_and_sorts_numerically(tmp_path):
+    assert latest_checkpoint(tmp_path) is None
+    for name in ("step_2", "step_10", "step_11.tmp-abc", "step_x"):
+        (tmp_path / "checkpoints" / name).mkdir(parents=True)
+    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step_10"
+
+
+def test_interrupted_save_leaves_no_checkpoint(tmp_path, monkeypatch):
+    model, opt, gens = _setup(0)
+
+    def killed(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ckpt, "_fsync_dir", killed)  # dies after all files are written
+    with pytest.raises(KeyboardInterrupt):
+        _save(tmp_path, 1, model, opt, gens)
+    assert latest_checkpoint(tmp_path) is None
+    assert list((tmp_path / "checkpoints").iterdir()) == []
+
+
+def test_keep_last_prunes_and_same_step_overwrites(tmp_path):
+    model, opt, gens = _setup(0)
+    for step in (1, 2, 3):
+        _save(tmp_path, step, model, opt, gens, keep_last=2)
+    _save(tmp_path, 3, model, opt, gens, keep_last=2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2", "step_3"]
+
+
+def test_missing_tensor_is_named_and_nothing_is_modified(tmp_path):
+    model, opt, gens = _setup(0)
+    state = model.state_dict()
+    del state["2.bias"]
+    path = save_checkpoint(checkpoint_path(tmp_path, 1), model_state=state, optimizer=opt,
+                           rng_state={}, meta={})
+    target = _model(1)
+    before = [p.clone() for p in target.parameters()]
+    with pytest.raises(CheckpointError, match=r"'2.bias' is missing \(expected shape \(2,\)\)"):
+        load_checkpoint(path, target)
+    assert all(torch.equal(a, b) for a, b in zip(before, target.parameters()))
+
+
+def test_shape_mismatch_names_tensor_and_both_shapes(tmp_path):
+    model, opt, gens = _setup(0)
+    path = _save(tmp_path, 1, model, opt, gens)
+    other = nn.Sequential(nn.Linear(4, 9), nn.Tanh(), nn.Linear(9, 2))
+    with pytest.raises(CheckpointError, match=r"'0.weight' has shape \(8, 4\), expected \(9, 4\)"):
+        load_checkpoint(path, other)
+
+
+def test_optimizer_shape_mismatch_names_state_tensor(tmp_path):
+    model, opt, gens = _setup(0)
+    _train(model, opt, gens, 1)
+    path = _save(tmp_path, 1, model, opt, gens)
+    # same model tensors, but the optimizer holds the params in another order
+    model2 = _model(0)
+    opt2 = torch.optim.AdamW(list(model2.parameters())[::-1], lr=1e-2)
+    with pytest.raises(CheckpointError, match=r"'state.0.exp_avg' has shape \(8, 4\), parameter 0 \('2.bias'\)"):
+        load_checkpoint(path, model2, opt2)
+
+
+def test_missing_file_names_the_path(tmp_path):
+    model, opt, gens = _setup(0)
+    path = _save(tmp_path, 1, model, opt, gens)
+    (path / "optimizer.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="step_1/optimizer.safetensors"):
+        load_checkpoint(path, model, opt)
+
+
+def test_rng_names_must_match(tmp_path):
+    model, opt, gens = _setup(0)
+    path = _save(tmp_path, 1, model, opt, gens)
+    with pytest.raises(CheckpointError, match=r"no generator for \['np'\]"):
+        load_checkpoint(path, model, opt, generators={"data": gens["data"], "py": gens["py"]})
+    target = _model(5)
+    before = [p.clone() for p in target.parameters()]
+    with pytest.raises(CheckpointError, match=r"'data' is python_random but its saved state is 'torch'"):
+        load_checkpoint(path, target, generators={**gens, "data": random.Random(0)})
+    assert all(torch.equal(a, b) for a, b in zip(before, target.parameters()))
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(5, 3)
+        self.head = nn.Linear(3, 5, bias=False)
+        self.head.weight = self.emb.weight
+
+
+def test_tied_weights_are_stored_once_and_stay_tied(tmp_path):
+    torch.manual_seed(0)
+    model = Tied()
+    opt = torch.optim.AdamW(model.parameters())
+    path = save_checkpoint(checkpoint_path(tmp_path, 1), model_state=model.state_dict(), optimizer=opt,
+                           rng_state={}, meta={})
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        assert len(list(f.keys())) == 1
+    torch.manual_seed(1)
+    model2 = Tied()
+    load_checkpoint(path, model2)
+    assert torch.equal(model2.head.weight, model.emb.weight)
+    assert model2.head.weight is model2.emb.weight
+
+
+def test_non_json_meta_is_named_and_nothing_is_written(tmp_path):
+    model, opt, gens = _setup(0)
+    with pytest.raises(TypeError, match=r"meta.sched.lr: Tensor"):
+        save_checkpoint(checkpoint_path(tmp_path, 1), model_state=model.state_dict(), optimizer=opt,
+                        rng_state={}, meta={"sched": {"lr": torch.tensor(1.0)}})
+    assert list((tmp_path / "checkpoints").iterdir()) == []

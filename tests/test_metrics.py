@@ -1,0 +1,48 @@
+import math
+
+import pytest
+import torch
+
+from fp8rl.rl.metrics import METRIC_NAMES, mismatch_metrics
+
+
+def test_identical_logps_are_exactly_no_mismatch():
+    logp = -torch.rand(3, 5, generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(3, 5)
+    mask[2, 3:] = 0
+    m = mismatch_metrics(logp, logp.clone(), mask)
+    assert m == {
+        "token_mult_prob_error": 1.0,
+        "max_abs_logprob_diff": 0.0,
+        "mean_abs_logprob_diff": 0.0,
+        "gen_kl": 0.0,
+        "n_tokens": 13,
+    }
+
+
+def test_hand_computed_mismatch():
+    rollout = torch.tensor([[-1.0, -2.0, -3.0]], dtype=torch.float64)
+    train = rollout + torch.tensor([[0.1, -0.2, 5.0]])  # last token masked
+    m = mismatch_metrics(train, rollout, torch.tensor([[1, 1, 0]]))
+    assert m["token_mult_prob_error"] == pytest.approx((math.exp(0.1) + math.exp(0.2)) / 2, rel=1e-6)
+    assert m["max_abs_logprob_diff"] == pytest.approx(0.2, rel=1e-6)
+    assert m["mean_abs_logprob_diff"] == pytest.approx(0.15, rel=1e-6)
+    k3 = (math.exp(0.1) - 0.1 - 1) + (math.exp(-0.2) + 0.2 - 1)
+    assert m["gen_kl"] == pytest.approx(k3 / 2, rel=1e-5)
+    assert m["n_tokens"] == 2
+
+
+def test_empty_mask_reports_no_mismatch():
+    m = mismatch_metrics(torch.zeros(1, 2), torch.ones(1, 2), torch.zeros(1, 2))
+    assert m["token_mult_prob_error"] == 1.0 and m["gen_kl"] == 0.0 and m["n_tokens"] == 0
+
+
+def test_metric_names_are_the_design_contract():
+    expected = {
+        "token_mult_prob_error", "max_abs_logprob_diff", "mean_abs_logprob_diff", "gen_kl",
+        "is_weight_mean", "is_weight_max", "is_clip_frac",
+        "reward_mean", "accuracy", "response_len_mean", "entropy", "loss", "grad_norm", "lr", "ppo_clip_frac",
+        "time_rollout_s", "time_train_s", "time_sync_s", "time_step_s", "rollout_tokens_per_s", "peak_mem_bytes",
+    }
+    assert len(METRIC_NAMES) == len(set(METRIC_NAMES)) == 21
+    assert set(METRIC_NAMES) == expected

@@ -1,0 +1,274 @@
+"""Tasks: the arith generator, GSM8K-format files, reasoning-gym, make_task."""
+
+import json
+import re
+import sys
+from itertools import islice
+
+import pytest
+
+from fp8rl.tasks import Problem, Task, make_task
+from fp8rl.tasks.arithmetic import ArithTask
+from fp8rl.tasks.gsm8k import load_gsm8k, read_gsm8k
+from fp8rl.tasks.rewards import reward
+
+STEP = re.compile(r"(-?\d+) ([-+*]) (\d+) = (-?\d+)")
+
+
+def take(task, seed, n):
+    return list(islice(task.train_problems(seed), n))
+
+
+def check_solution(problem: Problem) -> list[tuple[str, int]]:
+    """Verify every step line of an arith solution; return its (op, operand) list."""
+    *steps, final = problem.solution.split("\n")
+    assert final == f"#### {problem.answer}"
+    ops, value = [], None
+    for line in steps:
+        match = STEP.fullmatch(line)
+        assert match, f"bad step line {line!r}"
+        left, op, right, result = int(match[1]), match[2], int(match[3]), int(match[4])
+        assert value is None or left == value, "each step continues from the previous result"
+        assert result == {"+": left + right, "-": left - right, "*": left * right}[op], line
+        ops.append((op, right))
+        value = result
+    assert str(value) == problem.answer
+    return ops
+
+
+# ------------------------------------------------------------------ arith
+
+
+def test_arith_same_seed_same_stream_other_seed_differs():
+    task = make_task("arith")
+    assert take(task, 0, 50) == take(task, 0, 50)
+    assert take(task, 0, 50) != take(task, 1, 50)
+    assert task.test_problems(20) == task.test_problems(20)
+
+
+def test_arith_does_not_touch_global_rng():
+    import random
+
+    random.seed(123)
+    expected = random.random()
+    random.seed(123)
+    take(make_task("arith"), 0, 20)
+    make_task("arith").test_problems(5)
+    assert random.random() == expected
+
+
+def test_arith_train_and_test_are_disjoint():
+    task = make_task("arith")
+    test = task.test_problems(300)
+    assert len(test) == 300 and len({p.question for p in test}) == 300
+    train = take(task, 0, 3000) + take(task, 7, 3000)
+    assert not {p.question for p in train} & {p.question for p in test}
+    # Stronger: the arithmetic itself (start value, ops and operands) never repeats.
+    def skeleton(p):
+        return (p.solution.split(" ", 1)[0], tuple(check_solution(p)))
+
+    assert not {skeleton(p) for p in train} & {skeleton(p) for p in test}
+
+
+def test_arith_solutions_check_and_are_rewarded():
+    task = make_task("arith")
+    problems = take(task, 3, 500) + task.test_problems(100)
+    for p in problems:
+        ops = check_solution(p)
+        assert len(ops) == task.steps
+        assert int(p.answer) >= 0  # default: no negatives
+        assert p.answer.lstrip("-").isdigit()
+        assert reward(p.solution, p.answer) == 1.0
+        # The question carries the operands the solution uses.
+        assert all(str(operand) in p.question for _, operand in ops)
+
+
+def test_arith_default_texts_are_short():
+    problems = take(make_task("arith"), 0, 1000)
+    assert max(len(p.question) for p in problems) < 150
+    assert max(len(p.solution) for p in problems) < 60
+    assert len({p.question.split()[0] for p in problems}) > 3  # names / templates vary
+
+
+def test_arith_knobs():
+    task = make_task("arith:steps=3,ops=+,max_operand=9")
+    for p in take(task, 0, 200):
+        ops = check_solution(p)
+        assert len(ops) == 3 and all(op == "+" and 1 <= b <= 9 for op, b in ops)
+    negative = make_task("arith:ops=-,allow_negative=true,steps=3")
+    assert any(int(p.answer) < 0 for p in take(negative, 0, 200))
+    to_zero = make_task("arith:ops=-*,steps=4,max_operand=3")  # runs into zero often
+    assert all(int(p.answer) >= 0 for p in take(to_zero, 0, 200))
+    with pytest.raises(RuntimeError, match="no training problems"):
+        take(make_task("arith:ops=-,steps=4,max_operand=3"), 0, 1)  # 4 subtractions from <= 3
+    assert make_task("arith:steps=3", steps=1) == ArithTask(steps=1)  # kwargs override
+    assert make_task("arith:max_operand=50").describe()["max_operand"] == 50
+
+
+def test_arith_tiny_space_terminates():
+    task = make_task("arith:steps=1,max_operand=2,ops=+,test_fraction=0.5")
+    test = task.test_problems(10_000)
+    assert 0 < len(test) < 10_000
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("arith:steps=0", "steps must be >= 1"),
+        ("arith:ops=+/", "ops must be"),
+        ("arith:depth=3", "unknown knob"),
+        ("arith:steps=two", "steps must be int"),
+        ("arith:steps", "expected key=value"),
+        ("arith:test_fraction=1.5", "test_fraction"),
+    ],
+)
+def test_arith_bad_knobs(spec, message):
+    with pytest.raises(ValueError, match=message):
+        make_task(spec)
+
+
+# ------------------------------------------------------------------ Problem, make_task
+
+
+def test_problem_requires_final_line():
+    Problem("q?", "1 + 1 = 2\n#### 2", "2")
+    with pytest.raises(ValueError, match="#### 3"):
+        Problem("q?", "1 + 1 = 2\n#### 2", "3")
+
+
+def test_make_task_unknown_spec_lists_forms():
+    with pytest.raises(ValueError, match="'mnist'") as err:
+        make_task("mnist")
+    for form in ("arith", "gsm8k:PATH", "reasoning-gym:NAME"):
+        assert form in str(err.value)
+    with pytest.raises(ValueError, match="needs a file"):
+        make_task("gsm8k:")
+
+
+def test_tasks_follow_the_protocol(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    for task in (make_task("arith"), make_task(f"gsm8k:{path}")):
+        assert isinstance(task, Task)
+        assert json.loads(json.dumps(task.describe()))["name"] == task.name
+
+
+# ------------------------------------------------------------------ GSM8K files
+
+ROWS = [
+    {
+        "question": f"Q{i}: Natalia sold clips to {48 + i} friends.",
+        "answer": f"Natalia sold {48 + i}/2 = <<{48 + i}/2={(48 + i) / 2:g}>>{(48 + i) / 2:g} clips.\n#### {1000 + i:,}",
+    }
+    for i in range(20)
+]
+
+
+def write_jsonl(path, rows, extra_lines=()):
+    lines = [json.dumps(r) for r in rows] + list(extra_lines)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_gsm8k_jsonl_strips_annotations_and_commas(tmp_path):
+    problems = read_gsm8k(write_jsonl(tmp_path / "d.jsonl", ROWS))
+    assert len(problems) == 20
+    first = problems[0]
+    assert first.answer == "1000"
+    assert first.solution == "Natalia sold 48/2 = 24 clips.\n#### 1000"
+    assert reward(first.solution, first.answer) == 1.0
+    kept = read_gsm8k(tmp_path / "d.jsonl", strip_calculator=False)[0]
+    assert "<<48/2=24>>" in kept.solution
+
+
+def test_gsm8k_parquet(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.Table.from_pylist(ROWS), path)
+    assert read_gsm8k(path) == read_gsm8k(write_jsonl(tmp_path / "d.jsonl", ROWS))
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(pa.Table.from_pylist([{"question": "q", "solution": "#### 1"}]), bad)
+    with pytest.raises(ValueError, match=r"bad\.parquet.*answer"):
+        read_gsm8k(bad)
+    null = tmp_path / "null.parquet"
+    pq.write_table(pa.Table.from_pylist(ROWS[:2] + [{"question": "q", "answer": None}]), null)
+    with pytest.raises(ValueError, match=r"null\.parquet, row 3"):
+        read_gsm8k(null)
+
+
+@pytest.mark.parametrize(
+    "bad_line, message",
+    [
+        ("{not json", "invalid JSON"),
+        (json.dumps({"question": "q"}), r"missing key\(s\) \['answer'\]"),
+        (json.dumps({"question": "q", "answer": "42"}), "no '#### N'"),
+        (json.dumps({"question": "q", "answer": "so\n####"}), "empty"),
+        (json.dumps([1, 2]), "not a JSON object"),
+    ],
+)
+def test_gsm8k_malformed_line_names_file_and_line(tmp_path, bad_line, message):
+    path = write_jsonl(tmp_path / "broken.jsonl", ROWS[:2], extra_lines=["", bad_line])
+    with pytest.raises(ValueError, match=message) as err:
+        read_gsm8k(path)
+    assert f"{path}, line 4" in str(err.value)  # 2 rows, a blank line, then the bad one
+
+
+def test_gsm8k_missing_file_names_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        make_task(f"gsm8k:{tmp_path / 'nope.jsonl'}")
+
+
+def test_gsm8k_split_last_fraction_and_disjoint(tmp_path):
+    rows = ROWS + [ROWS[0]]  # a duplicate question straddling the split
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    task = make_task(f"gsm8k:{path},test_fraction=0.2")
+    test = task.test_problems(100)  # round(21 * 0.2) = 4 rows
+    assert [p.question for p in test] == [r["question"] for r in rows[-4:]]
+    train = take(task, 0, 60)  # endless: rows 1..16 (row 0 is also in test), reshuffled
+    assert len(train) == 60
+    assert not {p.question for p in train} & {p.question for p in test}
+    assert {p.question for p in train} == {r["question"] for r in ROWS[1:17]}
+    assert take(task, 0, 30) == take(task, 0, 30)
+    assert take(task, 0, 30) != take(task, 1, 30)
+    assert task.test_problems(2) == test[:2]
+
+
+def test_gsm8k_separate_test_file(tmp_path):
+    train_path = write_jsonl(tmp_path / "train.jsonl", ROWS[:15])
+    test_path = write_jsonl(tmp_path / "test.jsonl", ROWS[14:])
+    task = make_task(f"gsm8k:{train_path},test={test_path}")
+    assert len(task.test_problems(100)) == 6
+    assert task.describe()["n_train"] == 14  # row 14 is in both files: test keeps it
+    with pytest.raises(ValueError, match="unknown option"):
+        make_task(f"gsm8k:{train_path},tset={test_path}")
+    with pytest.raises(ValueError, match="test_fraction must be float"):
+        make_task(f"gsm8k:{train_path},test_fraction=half")
+    same = load_gsm8k(train_path, test=test_path, strip_calculator=False)
+    assert "<<" in same.train[0].solution
+    assert make_task(f"gsm8k:{train_path},test={test_path},strip_calculator=false") == same
+
+
+# ------------------------------------------------------------------ reasoning-gym
+
+
+def test_reasoning_gym_missing_gives_install_hint(monkeypatch):
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # import fails
+    with pytest.raises(ImportError, match=r"pip install fp8rl\[reasoning-gym\]"):
+        make_task("reasoning-gym:gsm_symbolic")
+
+
+def test_reasoning_gym_adapter():
+    pytest.importorskip("reasoning_gym")
+    task = make_task("reasoning-gym:gsm_symbolic")
+    test = task.test_problems(5)
+    train = take(task, 0, 40)
+    assert len(test) == 5 and test == task.test_problems(5)
+    assert train == take(task, 0, 40)
+    assert not {p.question for p in train} & {p.question for p in test}
+    for p in test + train:
+        assert p.solution.endswith(f"#### {p.answer}") and len(p.solution) > len(p.answer) + 10
+        assert reward(p.solution, p.answer) == 1.0
+    plain = make_task("reasoning-gym:basic_arithmetic,min_terms=2,max_terms=3").test_problems(3)
+    assert all(p.solution == f"#### {p.answer}" for p in plain)
+    with pytest.raises(ValueError):
+        make_task("reasoning-gym:no_such_dataset")

@@ -176,11 +176,14 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    import torch
+
     from fp8rl.model import export_fp8_block, export_hf, load
 
     model, tok = load(args.model)
     if args.format == "hf":
-        export_hf(model, tok, Path(args.out), overwrite=args.overwrite)
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+        export_hf(model, tok, Path(args.out), dtype=dtype, overwrite=args.overwrite)
     else:
         export_fp8_block(model, tok, Path(args.out), scale_fmt=args.scale_fmt, overwrite=args.overwrite)
     files = sorted(p.name for p in Path(args.out).iterdir())
@@ -271,6 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--format", choices=("hf", "fp8-block"), default="hf", help="output layout (default hf)")
     p.add_argument("--scale-fmt", choices=("fp32", "ue8m0"), default="fp32", help="fp8-block scale format")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="hf format: tensor dtype (default float32, an exact copy)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     p.set_defaults(fn=cmd_export)
@@ -294,7 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (ValueError, FileNotFoundError, TrainingError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError, TrainingError) as e:
         # user-caused errors (bad config, data, paths): one clear line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -34,10 +34,10 @@ PAD, EOS = "<|pad|>", "<|eos|>"
 
 @dataclass(frozen=True)
 class SFTConfig:
-    steps: int = 300
+    steps: int = 230
     batch_size: int = 64
     lr: float = 3e-3
-    warmup_steps: int = 30
+    warmup_steps: int = 20
     weight_decay: float = 0.01
     seed: int = 0
     # tiny-policy architecture (used only when building from scratch)

@@ -34,6 +34,7 @@ import torch
 from fp8rl.checkpoint import checkpoint_path, latest_checkpoint, load_checkpoint, save_checkpoint
 from fp8rl.config import RunConfig, save_config
 from fp8rl.evaluate import evaluate
+from fp8rl.fp8 import NonFiniteError
 from fp8rl.logging import RunLogger, read_metrics, write_summary
 from fp8rl.model.transformer import Transformer, apply_flow
 from fp8rl.precision import PRESETS, refresh_weights
@@ -134,6 +135,9 @@ class Trainer:
         elif self.needs_calibration:
             self._initial_calibration()
         self.stream = self._problem_stream(self.step)
+        # only now that model and task loaded: a failed start leaves no stale run behind
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(self.cfg, self.run_dir / "config.json")
 
     # -- setup -------------------------------------------------------------------------
 
@@ -141,7 +145,7 @@ class Trainer:
         cfg_path = self.run_dir / "config.json"
         if cfg_path.exists():
             saved = json.loads(cfg_path.read_text())
-            mine = self.cfg.to_dict()
+            mine = json.loads(json.dumps(self.cfg.to_dict()))  # tuples -> lists, as saved
             # the step budget may grow on resume; everything else must match
             diff = sorted(k for k in set(saved) | set(mine) if k != "train" and saved.get(k) != mine.get(k))
             train_diff = sorted(
@@ -161,8 +165,6 @@ class Trainer:
                 )
         elif self.run_dir.exists() and any(self.run_dir.iterdir()):
             raise TrainingError(f"output directory {self.run_dir} is not empty and holds no fp8rl run")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(self.cfg, cfg_path)
 
     @staticmethod
     def _frozen_copy(model: Transformer) -> Transformer:
@@ -230,12 +232,15 @@ class Trainer:
 
     # -- one step ----------------------------------------------------------------------
 
-    def rollout(self, problems: list[Problem]) -> tuple[Rollout, torch.Tensor, list[str]]:
+    def rollout(self, problems: list[Problem]) -> tuple[Rollout, torch.Tensor, torch.Tensor]:
+        """Sample `group_size` completions per problem; returns the rollout, the task
+        rewards [B] and final-answer correctness [B] (they differ when the task's
+        reward also checks the worked steps)."""
         G = self.cfg.rollout.group_size
         r = self.cfg.rollout
         prompts = encode_prompts(self.tokenizer, [p.question for p in problems], self.cfg.system_prompt)
         prompts = [p for p in prompts for _ in range(G)]
-        golds = [p.answer for p in problems for _ in range(G)]
+        targets = [p for p in problems for _ in range(G)]
         params = SamplingParams(
             max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k
         )
@@ -245,8 +250,9 @@ class Trainer:
             seeds=[sample_seed(self.cfg.seed, self.step, i) for i in range(len(prompts))],
         )
         texts = [self.tokenizer.decode(ids) for ids in out.completion_ids]
-        rewards = torch.tensor(batch_rewards(texts, golds), dtype=torch.float32)
-        return out, rewards, texts
+        rewards = torch.tensor([self.task.reward(t, p) for t, p in zip(texts, targets)], dtype=torch.float32)
+        correct = torch.tensor(batch_rewards(texts, [p.answer for p in targets]), dtype=torch.float32)
+        return out, rewards, correct
 
     def train_step(self) -> StepResult:
         cfg, t = self.cfg, self.cfg.train
@@ -254,7 +260,7 @@ class Trainer:
         t_start = time.perf_counter()
         problems = list(itertools.islice(self.stream, cfg.rollout.prompts_per_step))
 
-        out, rewards, _ = self.rollout(problems)
+        out, rewards, correct = self.rollout(problems)
         t_rollout = time.perf_counter() - t_start
 
         t0 = time.perf_counter()
@@ -284,8 +290,11 @@ class Trainer:
                 ref_logp=ref_logp[rows] if ref_logp is not None else None, kl_coef=t.kl_coef,
             )
             self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip)
+            try:
+                loss.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip)
+            except NonFiniteError:  # an FP8 backward GEMM met a NaN/Inf gradient
+                grad_norm = torch.tensor(float("nan"))
             if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
                 self.bad_steps += 1
                 self.skipped_steps += 1
@@ -314,7 +323,7 @@ class Trainer:
             **{k: mismatch[k] for k in ("token_mult_prob_error", "max_abs_logprob_diff", "mean_abs_logprob_diff", "gen_kl")},
             **{k: is_stats[k] for k in ("is_weight_mean", "is_weight_max", "is_clip_frac")},
             "reward_mean": float(rewards.mean()),
-            "accuracy": float((rewards >= 1.0).float().mean()),
+            "accuracy": float(correct.mean()),
             "response_len_mean": n_tok / B,
             "entropy": sum(entropies) / len(entropies),
             "loss": sum(losses) / len(losses),

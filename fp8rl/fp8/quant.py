@@ -26,6 +26,10 @@ import torch
 from fp8rl.fp8.formats import AMAX_FLOOR, SCALE_FORMATS, get_format
 
 
+class NonFiniteError(ValueError):
+    """A tensor to be quantized holds NaN or Inf (the message names it)."""
+
+
 @dataclass
 class QTensor:
     """A block-quantized tensor.
@@ -132,7 +136,7 @@ def quantize(
             # max(|x|) as max(max x, -min x): no |x| temporary. NaN propagates.
             amax = torch.maximum(xb.amax(dim=(-3, -1)), xb.amin(dim=(-3, -1)).neg())
             if not torch.isfinite(amax).all():
-                raise ValueError(f"quantize: tensor {name!r} contains NaN or Inf")
+                raise NonFiniteError(f"quantize: tensor {name!r} contains NaN or Inf")
             s = amax.clamp_min(AMAX_FLOOR) / f.max
             if scale_fmt == "ue8m0":
                 s = _ue8m0(s)

@@ -59,6 +59,10 @@ class Task(Protocol):
         """JSON-ready settings, written into a run's config.json."""
         ...
 
+    def reward(self, completion: str, problem: Problem) -> float:
+        """The RL reward of one completion (1.0 or 0.0)."""
+        ...
+
 
 def in_test_split(key: str, test_fraction: float) -> bool:
     """Deterministic train/test partition by a hash of `key`.
@@ -149,7 +153,7 @@ def make_task(spec: str, **kwargs: Any) -> Task:
             raise ValueError(f"task spec {spec!r} needs a dataset name: reasoning-gym:NAME")
         options = {k: parse_value(v) for k, v in parse_options(opts, spec).items()}
         return ReasoningGymTask.from_options(name.strip(), {**options, **kwargs})
-    raise ValueError(f"unknown task spec {spec!r}; valid forms:\n  " + "\n  ".join(SPEC_FORMS))
+    raise ValueError(f"unknown task spec {spec!r}; valid forms: " + " | ".join(SPEC_FORMS))
 
 
 __all__ = ["Problem", "Task", "make_task", "in_test_split", "coerce", "SPEC_FORMS"]

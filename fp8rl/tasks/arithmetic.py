@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Iterator
 
 from fp8rl.tasks import Problem, coerce, in_test_split
+from fp8rl.tasks.rewards import reward as final_answer_reward
+from fp8rl.tasks.rewards import steps_reward
 
 NAMES = (
     ("Mia", "She"), ("Tom", "He"), ("Ana", "She"), ("Ben", "He"), ("Zoe", "She"),
@@ -78,6 +80,8 @@ class ArithTask:
     ops:            allowed operators, a subset of "+-*".
     allow_negative: let subtraction go below zero (default: answers are >= 0).
     test_fraction:  share of arithmetic skeletons reserved for the test split.
+    check_steps:    the RL reward also requires every worked step to be right
+                    (`rewards.steps_reward`); False = final answer only.
     """
 
     steps: int = 2
@@ -86,6 +90,7 @@ class ArithTask:
     ops: str = "+-*"
     allow_negative: bool = False
     test_fraction: float = 0.1
+    check_steps: bool = True
     name: str = "arith"
 
     def __post_init__(self) -> None:
@@ -173,3 +178,8 @@ class ArithTask:
 
     def describe(self) -> dict[str, Any]:
         return asdict(self)
+
+    def reward(self, completion: str, problem: Problem) -> float:
+        if self.check_steps:
+            return steps_reward(completion, problem.answer)
+        return final_answer_reward(completion, problem.answer)

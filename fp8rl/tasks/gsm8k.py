@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from fp8rl.tasks import Problem
+from fp8rl.tasks.rewards import reward as final_answer_reward
 
 _CALCULATOR = re.compile(r"<<[^<>]*>>")
 
@@ -126,6 +127,10 @@ class GSM8KTask:
     def test_problems(self, n: int) -> list[Problem]:
         """The first `n` held-out problems in file order (all of them if fewer)."""
         return list(self.test[:n])
+
+    def reward(self, completion: str, problem: Problem) -> float:
+        """Final-answer correctness (`fp8rl.tasks.rewards.reward`)."""
+        return final_answer_reward(completion, problem.answer)
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from fp8rl.tasks import Problem, in_test_split
+from fp8rl.tasks.rewards import reward as final_answer_reward
 
 # Metadata keys that hold a worked solution in some reasoning-gym datasets.
 SOLUTION_KEYS = ("answer_cot", "solution", "cot")
@@ -109,6 +110,10 @@ class ReasoningGymTask:
             if len(found) >= n:
                 break
         return list(found.values())[:n]
+
+    def reward(self, completion: str, problem: Problem) -> float:
+        """Final-answer correctness (`fp8rl.tasks.rewards.reward`)."""
+        return final_answer_reward(completion, problem.answer)
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -186,6 +186,36 @@ def reward(completion: str, gold: str, *, timeout_s: float = 1.0, max_chars: int
     return 1.0 if answers_equal(pred, gold, timeout_s=timeout_s) else 0.0
 
 
+_EQUATION = re.compile(r"(-?\d+)\s*([-+*x×])\s*(-?\d+)\s*=\s*(-?\d+)")
+
+
+def equations_correct(text: str, *, max_chars: int = MAX_CHARS) -> bool:
+    """True if `text` shows at least one integer equation `a op b = c` (op one of
+    + - * x ×) and every such equation is arithmetically right. Parsed with a
+    regex and computed with Python ints: nothing is evaluated."""
+    found = _EQUATION.findall(text[-max_chars:])
+    if not found:
+        return False
+    for a, op, b, c in found:
+        x, y = int(a), int(b)
+        value = x + y if op == "+" else x - y if op == "-" else x * y
+        if value != int(c):
+            return False
+    return True
+
+
+def steps_reward(completion: str, gold: str, *, timeout_s: float = 1.0, max_chars: int = MAX_CHARS) -> float:
+    """1.0 if the final answer equals `gold` AND every worked step shown is right.
+
+    Outcome-only rewards let a weak policy score with wrong work and a lucky
+    final number (with small answers this is most of the positive samples of a
+    tiny model), and RL then reinforces the wrong arithmetic. For tasks whose
+    solutions are chains of `a op b = c` lines, checking the chain removes that."""
+    if reward(completion, gold, timeout_s=timeout_s, max_chars=max_chars) < 1.0:
+        return 0.0
+    return 1.0 if equations_correct(completion, max_chars=max_chars) else 0.0
+
+
 def batch_rewards(
     completions: Sequence[str], golds: Sequence[str], *, timeout_s: float = 1.0
 ) -> list[float]:

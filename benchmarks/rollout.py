@@ -22,34 +22,6 @@ from pathlib import Path
 import torch
 
 
-def bench_ours(model_src: str, flow: str, backend: str, prompts: list[list[int]], max_new: int, tok) -> dict:
-    from fp8rl.compare import kv_bytes, weight_bytes
-    from fp8rl.model import load
-    from fp8rl.model.transformer import apply_flow
-    from fp8rl.precision import PRESETS, refresh_weights
-    from fp8rl.rollout.calibrate import calibrate
-    from fp8rl.rollout.engine import SamplingParams, default_cache_len, generate, left_pad
-
-    model, _ = load(model_src)
-    apply_flow(model, PRESETS[flow], backend=backend)
-    refresh_weights(model)
-    if PRESETS[flow].kv_cache == "fp8":
-        calibrate(model, *left_pad(prompts, tok.pad_token_id))
-    params = SamplingParams(max_new_tokens=max_new, temperature=1.0)
-    seeds = list(range(len(prompts)))
-    generate(model, prompts[:2], SamplingParams(max_new_tokens=2), eos_ids=[], pad_id=tok.pad_token_id, seeds=[0, 1])
-    t0 = time.perf_counter()
-    out = generate(model, prompts, params, eos_ids=[], pad_id=tok.pad_token_id, seeds=seeds)
-    dt = time.perf_counter() - t0
-    cache_len = default_cache_len(max(len(p) for p in prompts), max_new)
-    return {
-        "engine": "fp8rl", "flow": flow, "backend": backend, "seconds": dt, "tokens": out.n_tokens,
-        "tokens_per_s": out.n_tokens / dt,
-        "weight_bytes": weight_bytes(model, PRESETS[flow].rollout_linear == "fp8"),
-        "kv_bytes": kv_bytes(model, PRESETS[flow].kv_cache, len(prompts), cache_len),
-    }
-
-
 def bench_hf(folder: Path, prompts: list[list[int]], max_new: int, pad_id: int) -> dict:
     import transformers
 
@@ -82,6 +54,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.quick:
         args.batch, args.max_new_tokens = 4, 8
+    from fp8rl.bench import bench_rollout
     from fp8rl.model import export_hf, load
     from fp8rl.prompts import encode_prompts
     from fp8rl.tasks import make_task
@@ -99,7 +72,7 @@ def main() -> int:
         hf["model"] = src
         results.append(hf)
         for flow in args.flows.split(","):
-            r = bench_ours(src, flow, backend, prompts, args.max_new_tokens, tok)
+            r = bench_rollout(src, flow, backend, prompts, args.max_new_tokens, tok.pad_token_id)
             r["model"] = src
             r["ratio_vs_transformers"] = r["tokens_per_s"] / hf["tokens_per_s"]
             results.append(r)

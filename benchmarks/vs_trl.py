@@ -26,7 +26,8 @@ transformers `generate` on the same model, prompts and batch (the functions
 of `benchmarks/rollout.py`).
 
     pip install trl                        # into the environment fp8rl is installed in
-    python benchmarks/vs_trl.py            # tiny-arith and SmolLM2-135M (a few minutes)
+    python benchmarks/vs_trl.py            # tiny-arith and SmolLM2-135M (about half an hour on 2 cores,
+                                           # most of it the SmolLM2 jet flow; --flows bf16 skips it)
     python benchmarks/vs_trl.py --quick    # smoke run: tiny-arith, 2 prompts x 2, 8 tokens
 
 Prints one JSON object on stdout and a table on stderr. Speedups are
@@ -214,7 +215,7 @@ def run_fp8rl(model_src: str, flow: str, P: int, G: int, L: int, lr: float, step
 # ------------------------------------------------------------------------- TRL
 
 
-def run_trl(hf_dir: Path, prompt_texts: list[str], answers: list[str], P: int, G: int, L: int, lr: float,
+def run_trl(hf_dir: Path, prompt_texts: list[str], problems: list, P: int, G: int, L: int, lr: float,
             steps: int, tmp: Path) -> dict:
     import transformers
     from datasets import Dataset
@@ -222,16 +223,23 @@ def run_trl(hf_dir: Path, prompt_texts: list[str], answers: list[str], P: int, G
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from fp8rl.tasks import make_task
     from fp8rl.tasks.rewards import batch_rewards
 
     threads = torch.get_num_threads()
     completion_tokens: list[int] = []
     timers = Timers()
 
-    def arith_reward(completions: list[str], answer: list[str], completion_ids: list[list[int]],
+    task = make_task("arith")
+
+    def arith_reward(completions: list[str], idx: list[int], completion_ids: list[list[int]],
                      **_: Any) -> list[float]:
+        """The reward fp8rl's Trainer gives: the task's own (which may also check the
+        worked steps), else the final-answer check."""
         completion_tokens.append(sum(len(c) for c in completion_ids))
-        return batch_rewards(completions, answer)
+        if hasattr(task, "reward"):
+            return [float(task.reward(c, problems[i])) for c, i in zip(completions, idx)]
+        return batch_rewards(completions, [problems[i].answer for i in idx])
 
     class StepClock(TrainerCallback):
         def __init__(self) -> None:
@@ -258,7 +266,7 @@ def run_trl(hf_dir: Path, prompt_texts: list[str], answers: list[str], P: int, G
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
     model.generate = timers.wrap("generate", model.generate)
     # plain-text prompts (already chat-templated for chat models): TRL tokenizes them as they are
-    dataset = Dataset.from_dict({"prompt": prompt_texts, "answer": answers})
+    dataset = Dataset.from_dict({"prompt": prompt_texts, "idx": list(range(len(prompt_texts)))})
     args = GRPOConfig(
         output_dir=str(tmp / "trl"),
         per_device_train_batch_size=P * G,  # one generation batch = one optimizer step over P x G samples
@@ -324,6 +332,23 @@ def run_trl(hf_dir: Path, prompt_texts: list[str], answers: list[str], P: int, G
 # ------------------------------------------------------------------------- one model
 
 
+def rollout_benchers() -> tuple[Callable, Callable]:
+    """transformers `generate` and fp8rl's engine at a fixed length, as benchmarks/rollout.py times them."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from rollout import bench_hf
+
+    try:
+        from fp8rl.bench import bench_rollout as bench_ours
+    except ImportError:  # older layout: the function lived in benchmarks/rollout.py
+        from rollout import bench_ours as _ours
+
+        def bench_ours(model_src: str, flow: str, backend: str, prompts: list, max_new: int, pad_id: int) -> dict:
+            class _Tok:
+                pad_token_id = pad_id
+            return _ours(model_src, flow, backend, prompts, max_new, _Tok())
+    return bench_hf, bench_ours
+
+
 def bench_model(model_src: str, P: int, G: int, L: int, flows: list[str], lr: float, steps: int,
                 rollout: bool, log: Callable[[str], None]) -> dict:
     from fp8rl.model import export_hf, load
@@ -336,7 +361,6 @@ def bench_model(model_src: str, P: int, G: int, L: int, flows: list[str], lr: fl
     backend = resolve_backend("auto", model)
     prompt_texts = [format_prompt(tok, p.question) for p in problems]
     prompt_ids = encode_prompts(tok, [p.question for p in problems])
-    answers = [p.answer for p in problems]
     res: dict[str, Any] = {"model": model_src, "prompts_per_step": P, "group_size": G, "max_new_tokens": L,
                            "batch": P * G, "lr": lr, "backend": backend,
                            "n_params": sum(p.numel() for p in model.parameters()),
@@ -348,7 +372,7 @@ def bench_model(model_src: str, P: int, G: int, L: int, flows: list[str], lr: fl
         gc.collect()
 
         log(f"[{model_src}] TRL GRPOTrainer: {P} prompts x {G}, {L} tokens, {1 + steps} steps")
-        res["trl"] = run_trl(hf_dir, prompt_texts, answers, P, G, L, lr, steps, tmp)
+        res["trl"] = run_trl(hf_dir, prompt_texts, problems, P, G, L, lr, steps, tmp)
         log(f"[{model_src}] TRL step {res['trl']['step_s']:.2f}s")
         res["fp8rl"] = {}
         for flow in flows:
@@ -357,8 +381,7 @@ def bench_model(model_src: str, P: int, G: int, L: int, flows: list[str], lr: fl
             log(f"[{model_src}] fp8rl {flow} step {res['fp8rl'][flow]['step_s']:.2f}s")
 
         if rollout:
-            sys.path.insert(0, str(Path(__file__).resolve().parent))
-            from rollout import bench_hf, bench_ours
+            bench_hf, bench_ours = rollout_benchers()
 
             step_problems = problems[P:2 * P] if steps else problems[:P]
             ids = encode_prompts(tok, [p.question for p in step_problems])
@@ -367,7 +390,7 @@ def bench_model(model_src: str, P: int, G: int, L: int, flows: list[str], lr: fl
             hf = bench_hf(hf_dir, ids, L, tok.pad_token_id)
             fixed = {"batch": len(ids), "max_new_tokens": L, "transformers": hf}
             for flow in flows:
-                r = bench_ours(model_src, flow, backend, ids, L, tok)
+                r = bench_ours(model_src, flow, backend, ids, L, tok.pad_token_id)
                 r["speedup_vs_transformers"] = r["tokens_per_s"] / hf["tokens_per_s"]
                 fixed[flow] = r
             res["rollout_fixed_length"] = fixed
@@ -468,8 +491,12 @@ def main() -> int:
             P, G, L = args.prompts or dP, args.group_size or dG, args.max_new_tokens or dL
             results.append(bench_model(src, P, G, L, flows, args.lr, args.steps, not args.no_rollout, log))
 
-    import fp8rl
+    from importlib.metadata import PackageNotFoundError, version
 
+    try:
+        fp8rl_version = version("fp8rl")
+    except PackageNotFoundError:
+        fp8rl_version = "?"
     report = {
         "benchmark": "vs_trl",
         "machine": {
@@ -477,7 +504,7 @@ def main() -> int:
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "trl": trl.__version__,
-            "fp8rl": getattr(fp8rl, "__version__", "?"),
+            "fp8rl": fp8rl_version,
         },
         "target_speedup": TARGET_SPEEDUP,
         "results": results,

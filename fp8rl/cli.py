@@ -146,7 +146,8 @@ def cmd_sft(args: argparse.Namespace) -> int:
     from fp8rl.tasks import make_task
 
     task = make_task(args.task)
-    cfg = SFTConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
+    cfg = SFTConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+                    early_answer_noise=args.early_answer_noise)
     if args.model:
         from fp8rl.model import load
 
@@ -209,6 +210,15 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from fp8rl.bench import bench_flows, table
+
+    flows = [f.strip() for f in args.flows.split(",") if f.strip()]
+    report = bench_flows(args.model, flows, args.batch, args.max_new_tokens, args.backend)
+    _emit(args, report, table(report))
+    return 0
+
+
 # -- parser ------------------------------------------------------------------------------
 
 
@@ -253,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=SFT_DEFAULTS["batch_size"], help="sequences per step")
     p.add_argument("--lr", type=float, default=SFT_DEFAULTS["lr"], help="peak learning rate")
     p.add_argument("--seed", type=int, default=0, help="random seed")
+    p.add_argument("--early-answer-noise", type=float, default=0.0, metavar="P",
+                   help="share of training solutions whose final line gives the first step's result (a bad "
+                        "habit for RL to fix; the built-in tiny-arith policy uses 0.4)")
     p.add_argument("--eval-n", type=int, default=500, help="held-out problems to evaluate at the end")
     p.add_argument("--max-new-tokens", type=int, default=48, help="generation budget for the evaluation")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
@@ -267,6 +280,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
     p.add_argument("--steps", type=int, help="RL steps per run (train.steps)")
     p.set_defaults(fn=cmd_compare)
+
+    p = sub.add_parser("bench", help="rollout tokens/s and memory per precision flow",
+                       description="Time the rollout engine under each flow on one model (EOS disabled, same "
+                                   "prompts and batch); print tokens/s, weight and KV-cache bytes. "
+                                   "benchmarks/ holds the comparisons against other tools.")
+    p.add_argument("--model", default="tiny-arith", help="built-in name, HF folder or .gguf file")
+    p.add_argument("--flows", default="bf16,jet,jet-kv", help="comma-separated presets")
+    p.add_argument("--batch", type=int, default=32, help="sequences per rollout (default 32)")
+    p.add_argument("--max-new-tokens", type=int, default=48, help="tokens per sequence (default 48)")
+    p.add_argument("--backend", default="auto", help="FP8 GEMM backend: auto, reference, cpu")
+    p.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    p.set_defaults(fn=cmd_bench)
 
     p = sub.add_parser("export", help="write an HF folder or a block-FP8 checkpoint",
                        description="Export a model as a plain HF folder or as the block-FP8 layout vLLM/SGLang load.")

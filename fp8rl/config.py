@@ -34,8 +34,8 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 40
-    lr: float = 2e-4
+    steps: int = 80
+    lr: float = 5e-5
     lr_schedule: str = "constant"  # "constant" | "cosine"
     warmup_steps: int = 0
     weight_decay: float = 0.0
@@ -55,7 +55,7 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    every: int = 10  # steps; 0 = only before and after
+    every: int = 20  # steps; 0 = only before and after
     n: int = 200  # held-out problems
     temperature: float = 0.0
     max_new_tokens: int = 48
@@ -64,7 +64,7 @@ class EvalConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    every: int = 10
+    every: int = 20
     keep_last: int = 2
 
 

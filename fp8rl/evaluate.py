@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -22,10 +22,14 @@ def evaluate(
     batch_size: int = 100,
     seed: int = 0,
     system_prompt: str = "",
+    reward_fn: Callable[[str, Problem], float] | None = None,
 ) -> dict[str, Any]:
-    """Returns {"accuracy", "n", "response_len_mean", "samples": first few (question, completion, gold)}."""
+    """Returns {"accuracy" (final answer correct), "reward_mean" (the task's RL reward,
+    `reward_fn`, e.g. arith also checks the worked steps; = accuracy without one), "n",
+    "response_len_mean", "samples": the first few (question, completion, gold)}."""
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
     rewards: list[float] = []
+    task_rewards: list[float] = []
     lengths: list[int] = []
     samples: list[dict[str, str]] = []
     for start in range(0, len(problems), batch_size):
@@ -38,12 +42,14 @@ def evaluate(
         )
         texts = [tokenizer.decode(ids) for ids in out.completion_ids]
         rewards += batch_rewards(texts, [p.answer for p in chunk])
+        task_rewards += [reward_fn(t, p) for t, p in zip(texts, chunk)] if reward_fn else rewards[-len(chunk):]
         lengths += [len(ids) for ids in out.completion_ids]
         if len(samples) < 3:
             samples += [{"question": p.question, "completion": t, "gold": p.answer} for p, t in zip(chunk, texts)][: 3 - len(samples)]
     n = len(problems)
     return {
         "accuracy": sum(r >= 1.0 for r in rewards) / max(n, 1),
+        "reward_mean": sum(task_rewards) / max(n, 1),
         "n": n,
         "response_len_mean": sum(lengths) / max(n, 1),
         "samples": samples,

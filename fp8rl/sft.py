@@ -14,6 +14,7 @@ import itertools
 import json
 import math
 import os
+import random
 import shutil
 import tempfile
 import time
@@ -40,6 +41,10 @@ class SFTConfig:
     warmup_steps: int = 20
     weight_decay: float = 0.01
     seed: int = 0
+    # Share of training solutions whose final line answers with the first step's
+    # result instead of the last one ("stopping early"): a bad habit, learned on
+    # purpose by the built-in tiny policy so that RL has something clear to fix.
+    early_answer_noise: float = 0.0
     # tiny-policy architecture (used only when building from scratch)
     vocab_size: int = 384
     hidden_size: int = 128
@@ -89,6 +94,14 @@ def tiny_model_config(cfg: SFTConfig, tokenizer: Any) -> ModelConfig:
     )
 
 
+def stop_early(problem: Problem) -> Problem:
+    """The same worked steps, but `#### <first step's result>`: a plausible wrong
+    final answer (the chain is right, the answer stops one step short)."""
+    lines = problem.solution.split("\n")
+    first = lines[0].rsplit("=", 1)[-1].strip() if "=" in lines[0] else problem.answer
+    return Problem(question=problem.question, solution="\n".join(lines[:-1] + [f"#### {first}"]), answer=first)
+
+
 def sft_batch(tokenizer: Any, problems: list[Problem], system_prompt: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded (input_ids [B, T], loss_mask [B, T]): prompt, solution, EOS;
     the mask marks the solution and EOS tokens (targets predicted from the left)."""
@@ -126,6 +139,7 @@ def run_sft(
     Returns the per-step losses."""
     torch.manual_seed(cfg.seed)
     stream = task.train_problems(cfg.seed)
+    noise_rng = random.Random(cfg.seed + 7)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
     losses = []
@@ -137,7 +151,10 @@ def run_sft(
             lr = cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
         for g in opt.param_groups:
             g["lr"] = lr
-        ids, mask = sft_batch(tokenizer, list(itertools.islice(stream, cfg.batch_size)), system_prompt)
+        batch = list(itertools.islice(stream, cfg.batch_size))
+        if cfg.early_answer_noise > 0:
+            batch = [stop_early(p) if noise_rng.random() < cfg.early_answer_noise else p for p in batch]
+        ids, mask = sft_batch(tokenizer, batch, system_prompt)
         loss = sft_loss(model, ids, mask)
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -347,7 +347,7 @@ class Trainer:
         return evaluate(
             self.model, self.tokenizer, self.test_problems, max_new_tokens=e.max_new_tokens,
             temperature=e.temperature, batch_size=e.batch_size, seed=self.cfg.seed,
-            system_prompt=self.cfg.system_prompt,
+            system_prompt=self.cfg.system_prompt, reward_fn=self.task.reward,
         )
 
     # -- the loop ----------------------------------------------------------------------
@@ -362,7 +362,7 @@ class Trainer:
         try:
             if self.step == 0 and self.test_problems and 0 not in evals:
                 ev = self.evaluate()
-                logger.log_eval(0, {"accuracy": ev["accuracy"], "n": ev["n"]})
+                logger.log_eval(0, {"accuracy": ev["accuracy"], "reward_mean": ev["reward_mean"], "n": ev["n"]})
                 evals[0] = {"accuracy": ev["accuracy"]}
                 self.log(f"held-out accuracy before training: {ev['accuracy']:.3f} (n={ev['n']})")
             columns = [TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -379,7 +379,7 @@ class Trainer:
                     at_end = self.step == cfg.train.steps
                     if self.test_problems and ((cfg.eval.every and self.step % cfg.eval.every == 0) or at_end):
                         ev = self.evaluate()
-                        logger.log_eval(self.step, {"accuracy": ev["accuracy"], "n": ev["n"]})
+                        logger.log_eval(self.step, {"accuracy": ev["accuracy"], "reward_mean": ev["reward_mean"], "n": ev["n"]})
                         evals[self.step] = {"accuracy": ev["accuracy"]}
                     if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or at_end:
                         self.save()

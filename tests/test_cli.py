@@ -119,11 +119,6 @@ def test_every_command_takes_config(capsys, command):
     assert "--config" in help_text(capsys, command)
 
 
-@pytest.mark.xfail(
-    reason="DESIGN s8 lists `fp8rl bench`; build_parser() has no bench subcommand "
-           "(fp8rl bench --help exits 2: invalid choice)",
-    strict=True,
-)
 def test_bench_command_exists(capsys):
     help_text(capsys, "bench")
 
@@ -415,3 +410,13 @@ def test_argparse_errors_exit_2(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["nonsense"])
     assert exc.value.code == 2
+
+
+def test_bench_reports_each_flow(capsys):
+    rc, out, err = cli(capsys, "bench", "--model", "tiny-arith", "--flows", "bf16,jet-kv", "--batch", "2",
+                       "--max-new-tokens", "4", "--json")
+    assert rc == 0, err
+    rows = json.loads(out)["results"]
+    assert [r["flow"] for r in rows] == ["bf16", "jet-kv"]
+    assert all(r["tokens"] == 8 and r["tokens_per_s"] > 0 for r in rows)
+    assert rows[1]["kv_ratio_vs_bf16"] <= 0.51

@@ -88,23 +88,33 @@ def test_resume_equals_uninterrupted(tmp_path: Path):
     assert a == b
 
 
-# Golden: the first two steps of the default flow at seed 0 on the shipped tiny
-# policy (reference backend: exact FP8 GEMMs). A silent numerical change fails here.
-GOLDEN = [
-    {"reward_mean": None, "loss": None},
-    {"reward_mean": None, "loss": None},
+# Golden: the first three steps of the default flow at seed 0 on the shipped tiny
+# policy (reference backend: exact FP8 GEMMs, float64 attention). A silent
+# numerical change anywhere in rollout, reward, loss or optimizer fails here.
+GOLDEN_KEYS = ("reward_mean", "accuracy", "response_len_mean", "loss", "entropy", "grad_norm")
+GOLDEN: list[dict[str, float]] = [
+    {"reward_mean": 0.09375, "accuracy": 0.125, "response_len_mean": 17.59375, "loss": 0.011575759097468108,
+     "entropy": 0.3712456077337265, "grad_norm": 1.0046212077140808},
+    {"reward_mean": 0.3125, "accuracy": 0.3125, "response_len_mean": 14.96875, "loss": -0.0017483329400418413,
+     "entropy": 0.26618607342243195, "grad_norm": 1.7380912899971008},
+    {"reward_mean": 0.0, "accuracy": 0.03125, "response_len_mean": 17.75, "loss": 0.0,
+     "entropy": 0.37017975747585297, "grad_norm": 0.0},
 ]
 
 
 def test_golden_first_steps(tmp_path: Path):
-    cfg = small_cfg(tmp_path / "g", **{"eval.n": 0, "checkpoint.every": 0})
+    cfg = small_cfg(tmp_path / "g", **{"eval.n": 0, "checkpoint.every": 0, "train.steps": 3,
+                                      "rollout.group_size": 8, "train.lr": 1e-4})
     Trainer(cfg, log=lambda s: None).run(progress=False)
     rows = read_metrics(tmp_path / "g" / "metrics.jsonl")
-    got = [{"reward_mean": r["reward_mean"], "loss": r["loss"]} for r in rows]
+    got = [{k: r[k] for k in GOLDEN_KEYS} for r in rows]
     print(json.dumps(got))
+    assert len(got) == len(GOLDEN) == 3
     for g, want in zip(got, GOLDEN):
-        assert g["reward_mean"] == want["reward_mean"]
-        assert g["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-7)
+        for k in ("reward_mean", "accuracy", "response_len_mean"):
+            assert g[k] == want[k], (k, g[k], want[k])
+        for k in ("loss", "entropy", "grad_norm"):
+            assert g[k] == pytest.approx(want[k], rel=1e-4, abs=1e-7), (k, g[k], want[k])
 
 
 def test_output_dir_with_a_different_run_is_refused(tmp_path: Path):

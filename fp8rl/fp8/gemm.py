@@ -74,8 +74,10 @@ def _reference(a: QTensor, b: QTensor, out_dtype: torch.dtype) -> torch.Tensor:
     m, k = a.data.shape
     n, bk = b.data.shape[0], a.block[1]
     kb = -(-k // bk)
-    sa, sb = _row_scales(a).double(), _row_scales(b).double()
-    b64 = fp8_to_float(b.data).double()
+    if "reference" not in b.cache:  # a weight: converted once, reused by every call
+        b.cache["reference"] = (fp8_to_float(b.data).double(), _row_scales(b).double())
+    b64, sb = b.cache["reference"]
+    sa = _row_scales(a).double()
     out = torch.empty(m, n, dtype=out_dtype, device=a.data.device)
     # Rows are independent; chunking only bounds the [rows, N, kb] buffer.
     rows = max(1, (1 << 24) // max(1, n * kb))
@@ -87,7 +89,8 @@ def _reference(a: QTensor, b: QTensor, out_dtype: torch.dtype) -> torch.Tensor:
             ks = slice(j * bk, (j + 1) * bk)
             block_sum = a64[:, ks] @ b64[:, ks].T  # exact
             parts[:, :, j] = block_sum * (sa[r0:r1, j, None] * sb[None, :, j])
-        parts = parts.sort(dim=-1).values
+        if kb > 1:
+            parts = parts.sort(dim=-1).values
         acc = torch.zeros(r1 - r0, n, dtype=torch.float64, device=a.data.device)
         for j in range(kb):
             acc += parts[:, :, j]
@@ -99,9 +102,14 @@ def _reference(a: QTensor, b: QTensor, out_dtype: torch.dtype) -> torch.Tensor:
 _MIN_ROWS = 16
 
 
+def _k_blocks(x: torch.Tensor, bk: int, s: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """FP32 ``[rows, bk]`` slices of ``x`` along K, each times its per-row scale."""
+    return [x[:, j * bk : (j + 1) * bk] * (1.0 if s is None else s[:, j, None]) for j in range(-(-x.shape[1] // bk))]
+
+
 def _accumulate_k_blocks(
     a: torch.Tensor,
-    b: torch.Tensor,
+    b: torch.Tensor | list[torch.Tensor],
     bk: int,
     sa: torch.Tensor | None = None,
     sb: torch.Tensor | None = None,
@@ -125,11 +133,11 @@ def _accumulate_k_blocks(
         a = torch.cat([a, a.new_zeros(_MIN_ROWS - m, k)])
         if sa is not None:
             sa = torch.cat([sa, sa.new_ones(_MIN_ROWS - m, sa.shape[1])])
-    out = torch.zeros(a.shape[0], b.shape[0], dtype=torch.float32, device=a.device)
-    for j in range(-(-k // bk)):
+    b_blocks = b if isinstance(b, list) else _k_blocks(b, bk, sb)
+    out = torch.zeros(a.shape[0], b_blocks[0].shape[0], dtype=torch.float32, device=a.device)
+    for j, b_blk in enumerate(b_blocks):
         ks = slice(j * bk, (j + 1) * bk)
         a_blk = a[:, ks] if sa is None else a[:, ks] * sa[:, j, None]
-        b_blk = b[:, ks] if sb is None else b[:, ks] * sb[:, j, None]
         out.addmm_(a_blk, b_blk.T)
     return out[:m]
 
@@ -146,20 +154,22 @@ def _cpu(a: QTensor, b: QTensor, out_dtype: torch.dtype) -> torch.Tensor:
     the FP32 accumulation adds the usual GEMM error: about 2e-7 relative
     Frobenius error against ``reference``, inside the 1e-6 the tests allow.
     """
-    out = _accumulate_k_blocks(
-        fp8_to_float(a.data), fp8_to_float(b.data), a.block[1], _row_scales(a), _row_scales(b)
-    )
+    bk = a.block[1]
+    if "cpu_blocks" not in b.cache:  # a weight: dequantized once, reused by every call
+        b.cache["cpu_blocks"] = _k_blocks(fp8_to_float(b.data), bk, _row_scales(b))
+    out = _accumulate_k_blocks(fp8_to_float(a.data), b.cache["cpu_blocks"], bk, _row_scales(a))
     return out.to(out_dtype)
 
 
-def bf16_matmul(a: torch.Tensor, b: torch.Tensor, bk: int = 128) -> torch.Tensor:
+def bf16_matmul(a: torch.Tensor, b: torch.Tensor, bk: int = 128, b_rounded: bool = False) -> torch.Tensor:
     """``a @ b.T`` as a BF16 GEMM on CPU: a ``[M, K]``, b ``[N, K]`` -> FP32 ``[M, N]``.
 
     Operands rounded to BF16 (exact products in FP32), FP32 accumulation per
     ``bk``-wide K block like the FP8 GEMM, hence the same batch invariance.
-    GPUs would run a real BF16 GEMM here.
+    ``b_rounded=True`` says ``b`` is already a BF16-rounded FP32 tensor (a
+    cached weight), saving a pass over it. GPUs would run a real BF16 GEMM here.
     """
-    return _accumulate_k_blocks(a.bfloat16().float(), b.bfloat16().float(), bk)
+    return _accumulate_k_blocks(a.bfloat16().float(), b if b_rounded else b.bfloat16().float(), bk)
 
 
 _BACKENDS: dict[str, Callable[[QTensor, QTensor, torch.dtype], torch.Tensor]] = {

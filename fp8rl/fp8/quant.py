@@ -19,7 +19,7 @@ is 4.5 blocks of 128); their amax covers only their real elements.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,6 +40,10 @@ class QTensor:
     block:     ``(bm, bk)``
     fmt:       "e4m3" or "e5m2"
     scale_fmt: "fp32" or "ue8m0"
+    cache:     derived forms computed on first use (the transpose, a GEMM
+               backend's dequantized blocks). A QTensor is never modified in
+               place, so a weight quantized once per optimizer step pays for
+               these once per step, not once per GEMM call.
     """
 
     data: torch.Tensor
@@ -47,6 +51,7 @@ class QTensor:
     block: tuple[int, int]
     fmt: str = "e4m3"
     scale_fmt: str = "fp32"
+    cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def shape(self) -> torch.Size:
@@ -67,8 +72,10 @@ class QTensor:
         """
         if self.data.dim() != 2:
             raise ValueError(f"QTensor.t() needs a 2-D QTensor, got shape {tuple(self.data.shape)}")
-        bm, bk = self.block
-        return QTensor(self.data.t(), self.scale.t(), (bk, bm), self.fmt, self.scale_fmt)
+        if "t" not in self.cache:
+            bm, bk = self.block
+            self.cache["t"] = QTensor(self.data.t(), self.scale.t(), (bk, bm), self.fmt, self.scale_fmt)
+        return self.cache["t"]
 
 
 def _ue8m0(scale: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fp8rl.fp8.gemm import bf16_matmul
+
 from .config import ModelConfig
 
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -291,7 +293,7 @@ class Transformer(nn.Module):
         # lm_head numerics: "fp32" (reference), "bf16" (bf16 operands, fp32 math), or
         # "bf16-exact" (bf16 operands, float64 math: batch-invariant, for the reference backend).
         self.head_precision = "fp32"
-        self._head_cache: tuple[int, torch.Tensor] | None = None
+        self._head_cache: tuple[tuple, torch.Tensor] | None = None
         self.flow: Any = None  # the PrecisionFlow applied, if any
 
     @property
@@ -306,24 +308,31 @@ class Transformer(nn.Module):
         return emb.cos(), emb.sin()
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
+        """lm_head logits [..., vocab]. Under a flow: BF16 operands, and a
+        batch-invariant GEMM (float64 on the exact backend, FP32 per 128-wide K
+        block otherwise) so a row's logits do not depend on the batch around it.
+        The gradient is that of an FP32 linear on the BF16-rounded operands."""
         w = self.lm_head.weight
         if self.head_precision == "fp32":
             return F.linear(h, w)
-        version = w._version
-        if self._head_cache is None or self._head_cache[0] != version or self._head_cache[1].device != w.device:
-            dtype = torch.float64 if self.head_precision == "bf16-exact" else torch.float32
-            self._head_cache = (version, w.detach().to(torch.bfloat16).to(dtype))
+        exact = self.head_precision == "bf16-exact"
+        version = (w._version, w.data_ptr(), exact)
+        if self._head_cache is None or self._head_cache[0] != version:
+            w_low = w.detach().to(torch.bfloat16)
+            self._head_cache = (version, w_low.double() if exact else w_low.float())
         w_low = self._head_cache[1]
-        h_low = _StraightThrough.apply(h, h.detach().to(torch.bfloat16).float()) if h.requires_grad else h.to(torch.bfloat16).float()
-        if self.head_precision == "bf16-exact":
-            out = (h_low.double() @ w_low.T).float()
-            if torch.is_grad_enabled() and (h.requires_grad or w.requires_grad):
-                # value from the exact path, gradient from the fp32 one
-                out = _StraightThrough.apply(F.linear(h_low, w), out)
-            return out
-        if torch.is_grad_enabled() and w.requires_grad:
-            return F.linear(h_low, _StraightThrough.apply(w, w_low))
-        return F.linear(h_low, w_low)
+        h2 = h.detach().reshape(-1, h.shape[-1])
+        with torch.no_grad():
+            if exact:
+                out = (h2.to(torch.bfloat16).double() @ w_low.T).float()
+            else:
+                out = bf16_matmul(h2, w_low, b_rounded=True)
+        out = out.view(*h.shape[:-1], out.shape[-1])
+        if torch.is_grad_enabled() and (h.requires_grad or w.requires_grad):
+            h_r = _StraightThrough.apply(h, h.detach().to(torch.bfloat16).float())
+            w_r = _StraightThrough.apply(w, w.detach().to(torch.bfloat16).float())
+            out = _StraightThrough.apply(F.linear(h_r, w_r), out)
+        return out
 
     def forward(
         self, input_ids: torch.Tensor, ctx: AttentionContext | None = None, n_last: int | None = None

@@ -181,6 +181,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     from fp8rl.model import export_fp8_block, export_hf, load
 
+    if not args.model or not args.out:
+        raise ValueError("export needs --model and --out (flags or config keys)")
     model, tok = load(args.model)
     if args.format == "hf":
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
@@ -227,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="fp8rl", description="On-policy FP8 reinforcement learning of language models."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.subcommands = sub.choices  # name -> the subcommand's parser (for flat TOML defaults)
 
     p = sub.add_parser("train", help="GRPO training under a precision flow",
                        description="GRPO training: rollout, reward, PPO update, quantize once, recalibrate.")
@@ -256,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sft", help="supervised warm-up; builds the tiny-arith policy",
                        description="Supervised fine-tuning on a task's worked solutions. Without --model it "
                                    "builds the built-in tiny policy from scratch (tokenizer + model).")
+    p.add_argument("--config", dest="flat_config", help="TOML file whose keys are this command's flag names "
+                   "(steps = 230, early_answer_noise = 0.4, ...); flags win")
     p.add_argument("--task", default="arith", help="task spec (default arith)")
     p.add_argument("--model", help="start from this model instead of a fresh tiny policy")
     p.add_argument("--out", default="runs/sft", help="output HF folder (default runs/sft)")
@@ -295,8 +300,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="write an HF folder or a block-FP8 checkpoint",
                        description="Export a model as a plain HF folder or as the block-FP8 layout vLLM/SGLang load.")
-    p.add_argument("--model", required=True, help="built-in name, HF folder or .gguf file")
-    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--config", dest="flat_config", help="TOML file whose keys are this command's flag names "
+                   "(model = ..., out = ..., format = \"fp8-block\"); flags win")
+    p.add_argument("--model", help="built-in name, HF folder or .gguf file (required)")
+    p.add_argument("--out", help="output folder (required)")
     p.add_argument("--format", choices=("hf", "fp8-block"), default="hf", help="output layout (default hf)")
     p.add_argument("--scale-fmt", choices=("fp32", "ue8m0"), default="fp32", help="fp8-block scale format")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
@@ -318,11 +325,36 @@ def _sft_defaults() -> dict[str, Any]:
 SFT_DEFAULTS = _sft_defaults()
 
 
+def _flat_toml_config(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """sft and export read a flat TOML file of their flag names (`steps = 300`,
+    `early_answer_noise = 0.4`, `format = "fp8-block"`); flags on the command line win."""
+    from fp8rl.config import tomllib
+
+    args = parser.parse_args(argv)
+    if getattr(args, "flat_config", None) is None:
+        return args
+    path = Path(args.flat_config)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file not found: {path}")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{path}: invalid TOML: {e}") from e
+    sub = parser.subcommands[args.command]
+    known = {a.dest for a in sub._actions} - {"help", "flat_config", "json"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"unknown config key {unknown[0]} in {path}; valid keys: {', '.join(sorted(known))}")
+    sub.set_defaults(**data)
+    return parser.parse_args(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from fp8rl.train import TrainingError
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
     try:
+        args = _flat_toml_config(parser, argv)
         return args.fn(args)
     except (ValueError, FileNotFoundError, FileExistsError, TrainingError) as e:
         # user-caused errors (bad config, data, paths): one clear line, no traceback

@@ -66,7 +66,7 @@ def run(layer: FP8Linear, x: torch.Tensor, dy: torch.Tensor):
 def test_sqnr_against_float64_linear(flow_name):
     lin, layer, x, dy = setup(flow_name)
     y, dx, dw, db = run(layer, x, dy)
-    X, W, B, DY = x.detach().double(), lin.weight.detach().double(), lin.bias.detach().double(), dy.double()
+    X, W, _, DY = x.detach().double(), lin.weight.detach().double(), lin.bias.detach().double(), dy.double()
     with torch.no_grad():
         layer.phase = "rollout"
         y_roll = layer(x)

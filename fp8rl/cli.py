@@ -328,18 +328,13 @@ SFT_DEFAULTS = _sft_defaults()
 def _flat_toml_config(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
     """sft and export read a flat TOML file of their flag names (`steps = 300`,
     `early_answer_noise = 0.4`, `format = "fp8-block"`); flags on the command line win."""
-    from fp8rl.config import tomllib
+    from fp8rl.config import read_toml
 
     args = parser.parse_args(argv)
     if getattr(args, "flat_config", None) is None:
         return args
     path = Path(args.flat_config)
-    if not path.is_file():
-        raise FileNotFoundError(f"config file not found: {path}")
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"{path}: invalid TOML: {e}") from e
+    data = read_toml(path)
     sub = parser.subcommands[args.command]
     known = {a.dest for a in sub._actions} - {"help", "flat_config", "json"}
     unknown = sorted(set(data) - known)

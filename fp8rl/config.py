@@ -205,18 +205,20 @@ def from_dict(data: dict[str, Any]) -> RunConfig:
     return _build(RunConfig, data, "")
 
 
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """A TOML file as a dict; a missing file or bad TOML is an error naming the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"config file not found: {p}")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{p}: invalid TOML: {e}") from e
+
+
 def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> RunConfig:
     """Defaults, then the TOML file (if any), then dotted-key overrides."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise FileNotFoundError(f"config file not found: {p}")
-        try:
-            data = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ValueError(f"{p}: invalid TOML: {e}") from e
-    cfg = from_dict(data)
+    cfg = from_dict(read_toml(path) if path is not None else {})
     return cfg.replace(**overrides) if overrides else cfg
 
 

@@ -109,7 +109,6 @@ def run_compare(
                          "eval": read_metrics(out / "eval.jsonl")})
         results[v.label] = {"variant": v.__dict__, "runs": runs}
 
-    model, _ = load(base.model)
     batch = base.rollout.prompts_per_step * base.rollout.group_size
     cache_len = default_cache_len(64, base.rollout.max_new_tokens)
     rows = []
@@ -138,7 +137,7 @@ def run_compare(
             "time_train_s": statistics.fmean(x["time_train_s"] for run in m for x in run),
             "time_sync_s": statistics.fmean(x["time_sync_s"] for run in m for x in run),
             "weight_bytes": weight_bytes(fresh, flow.rollout_linear == "fp8"),
-            "kv_bytes": kv_bytes(model, flow.kv_cache, batch, cache_len),
+            "kv_bytes": kv_bytes(fresh, flow.kv_cache, batch, cache_len),
             "diverged": any(r["summary"]["skipped_steps"] for r in res["runs"]),
         }
         rows.append(row)

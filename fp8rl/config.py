@@ -79,7 +79,7 @@ class RunConfig:
     model: str = "tiny-arith"  # built-in name, HF folder or .gguf file
     task: str = "arith"  # "arith", "gsm8k:PATH", "reasoning-gym:NAME"
     flow: str = "jet"  # a preset of fp8rl.precision.PRESETS
-    backend: str = "auto"  # fp8 GEMM backend: "auto", "reference" (exact), "cpu"
+    backend: str = "auto"  # GEMM backend: "auto", "reference" (exact), "cpu" (FP32 emulation), "amx" (native BF16)
     seed: int = 0
     out: str = "runs/default"
     system_prompt: str = ""  # chat models only
@@ -103,7 +103,7 @@ class RunConfig:
 _CHOICES = {
     "train.lr_schedule": ("constant", "cosine"),
     "train.correction": ("none", "tis", "icepop", "seq-mask-tis"),
-    "backend": ("auto", "reference", "cpu"),
+    "backend": ("auto", "reference", "cpu", "amx"),
 }
 
 

@@ -35,6 +35,7 @@ from fp8rl.checkpoint import checkpoint_path, latest_checkpoint, load_checkpoint
 from fp8rl.config import RunConfig, save_config
 from fp8rl.evaluate import evaluate
 from fp8rl.fp8 import NonFiniteError
+from fp8rl.fp8.gemm import native_bf16_available
 from fp8rl.logging import RunLogger, read_metrics, write_summary
 from fp8rl.model.transformer import Transformer, apply_flow
 from fp8rl.precision import PRESETS, refresh_weights
@@ -54,13 +55,17 @@ class TrainingError(RuntimeError):
 
 def resolve_backend(backend: str, model: Transformer) -> str | None:
     """'auto': the exact reference GEMMs for small models on CPU (cheap, and rollout
-    and training then agree bit for bit), the fast CPU backend otherwise."""
+    and training then agree bit for bit by construction); for larger ones the
+    native BF16 backend ("amx") where the CPU has BF16 matrix instructions, the
+    FP32-emulating "cpu" backend elsewhere."""
     if backend != "auto":
         return backend
     if model.device.type != "cpu":
         return None
     n_params = sum(p.numel() for p in model.parameters())
-    return "reference" if n_params <= 5_000_000 else "cpu"
+    if n_params <= 5_000_000:
+        return "reference"
+    return "amx" if native_bf16_available() else "cpu"
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -266,9 +271,17 @@ class Trainer:
         t0 = time.perf_counter()
         adv = group_advantages(rewards, cfg.rollout.group_size, t.normalize_std)
         mask = out.completion_mask
+        # With one micro-batch the training forward runs on the weights that
+        # sampled, so its log-probs (detached) are the old ones: no extra forward.
+        first_logp = first_ent = None
         with torch.no_grad():
-            old_logp, _ = score(self.model, out, temp)
             ref_logp = score(self.ref_model, out, temp)[0] if self.ref_model is not None else None
+        if t.micro_batches == 1:
+            first_logp, first_ent = score(self.model, out, temp, with_entropy=True)
+            old_logp = first_logp.detach()
+        else:
+            with torch.no_grad():
+                old_logp, _ = score(self.model, out, temp)
         mismatch = mismatch_metrics(old_logp, out.logprobs, mask)
         weights, is_stats = importance_weights(
             old_logp, out.logprobs, mask, t.correction, cap=t.is_cap, lo=t.is_lo, hi=t.is_hi
@@ -283,7 +296,10 @@ class Trainer:
         for i in range(t.micro_batches):
             rows = torch.arange(i * mb, (i + 1) * mb)
             sub = out.select(rows)
-            logp, ent = score(self.model, sub, temp, with_entropy=True)
+            if first_logp is not None:
+                logp, ent = first_logp, first_ent
+            else:
+                logp, ent = score(self.model, sub, temp, with_entropy=True)
             loss, stats = policy_loss(
                 logp, old_logp[rows], adv[rows], sub.completion_mask,
                 eps_low=t.eps_low, eps_high=t.eps_high, is_weights=weights[rows],

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from fp8rl.fp8 import QTensor, fp8_matmul, quantize
+from fp8rl.fp8.gemm import _NATIVE_ROWS, bf16_matmul
 
 
 def deq64(q: QTensor) -> torch.Tensor:
@@ -49,8 +50,9 @@ def test_reference_is_float32_rounding_of_float64_product(m, n, k, b_block):
 
 
 # "reference" guarantees batch invariance; "cpu" gets it from padding small
-# batches to 16 rows, which works with this machine's BLAS (see gemm._cpu).
-@pytest.mark.parametrize("backend", ["reference", "cpu"])
+# batches to 16 rows, which works with this machine's BLAS (see gemm._cpu);
+# "amx" from calling oneDNN on a fixed number of rows (gemm._native_rows).
+@pytest.mark.parametrize("backend", ["reference", "cpu", "amx"])
 def test_rows_are_independent_of_batch_size(backend):
     a, b = operands(64, 96, 576, seed=1)
     x = a.data  # rows of a (1,128)-quantized tensor are quantized independently
@@ -121,3 +123,47 @@ def test_bad_backend_and_shapes_raise():
         fp8_matmul(a, quantize(torch.randn(8, 128), block=(128, 128)))
     with pytest.raises(ValueError, match="block width"):
         fp8_matmul(a, quantize(torch.randn(8, 256), block=(1, 64)))
+
+
+def sqnr_db(out: torch.Tensor, ref: torch.Tensor) -> float:
+    ref = ref.double()
+    return 10 * torch.log10(ref.pow(2).sum() / (out.double() - ref).pow(2).sum()).item()
+
+
+@pytest.mark.parametrize("m,n,k", RAGGED[:4] + [(2048, 64, 576)])
+@pytest.mark.parametrize("scale_fmt,floor_db", [("fp32", 47.0), ("ue8m0", 53.0)])
+def test_amx_backend_against_reference(m, n, k, scale_fmt, floor_db):
+    # BF16 output rounding (2**-9 relative) plus, for FP32 scales, one BF16
+    # rounding of each dequantized operand: measured 49.9-50.9 dB (fp32 scales)
+    # and 55.6-56.5 dB (ue8m0, exact dequantization) on these shapes.
+    a, b = operands(m, n, k, seed=7 * m + n, scale_fmt=scale_fmt)
+    ref = fp8_matmul(a, b, backend="reference")
+    out = fp8_matmul(a, b, backend="amx")
+    assert out.dtype == torch.float32 and out.shape == (m, n)
+    assert sqnr_db(out, ref) >= floor_db
+    # the backward flavour (one call over all rows) computes the same product
+    assert sqnr_db(fp8_matmul(a, b, backend="amx", invariant=False), ref) >= floor_db
+
+
+def test_amx_bf16_matmul_is_a_bf16_gemm():
+    g = torch.Generator().manual_seed(8)
+    a, b = torch.randn(300, 576, generator=g), torch.randn(200, 576, generator=g)
+    exact = a.bfloat16().double() @ b.bfloat16().double().T  # exact products of the rounded operands
+    for backend in ["cpu", "amx"]:
+        out = bf16_matmul(a, b, backend)
+        rel = (out.double() - exact).abs() / exact.abs().clamp(min=1.0)
+        # cpu: FP32 output; amx: BF16 output (unit roundoff 2**-8) of an FP32 sum
+        assert rel.max().item() <= (1e-5 if backend == "cpu" else 2.0**-8 + 1e-5), backend
+    out = bf16_matmul(a, b, "amx")
+    assert torch.equal(out, out.bfloat16().float())  # BF16 values, like a GPU BF16 GEMM's output
+
+
+def test_amx_rows_are_independent_of_chunking():
+    # Long inputs are cut into calls of _NATIVE_ROWS rows; a row must come out
+    # the same whichever call and position it lands in.
+    g = torch.Generator().manual_seed(9)
+    for k, n in [(576, 1536), (1536, 576), (128, 384)]:
+        x, w = torch.randn(3 * _NATIVE_ROWS + 7, k, generator=g), torch.randn(n, k, generator=g)
+        full = bf16_matmul(x, w, "amx")
+        for lo, hi in [(0, 1), (0, 16), (5, 5 + _NATIVE_ROWS), (_NATIVE_ROWS - 3, 2 * _NATIVE_ROWS + 1)]:
+            assert torch.equal(bf16_matmul(x[lo:hi], w, "amx"), full[lo:hi]), (k, n, lo, hi)

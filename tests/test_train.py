@@ -72,6 +72,40 @@ def test_each_preset_runs_a_step(tmp_path: Path, flow: str):
         assert row["token_mult_prob_error"] == 1.0
 
 
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_native_bf16_backend_trains_on_policy(tmp_path: Path, micro_batches: int):
+    # "amx" on the tiny policy; with one micro-batch the training forward's
+    # log-probs double as the old ones (no separate behaviour forward).
+    cfg = small_cfg(tmp_path / "amx", backend="amx", **{
+        "train.steps": 2, "train.micro_batches": micro_batches, "eval.n": 0, "checkpoint.every": 0})
+    model, tok = load(cfg.model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = Trainer(cfg, model=model, tokenizer=tok, log=lambda s: None)
+    assert trainer.backend == "amx"
+    trainer.run(progress=False)
+    for n, p in model.named_parameters():
+        assert not torch.equal(p.detach(), before[n]), f"{n} did not change"
+    for row in read_metrics(tmp_path / "amx" / "metrics.jsonl"):
+        assert row["token_mult_prob_error"] == 1.0 and row["max_abs_logprob_diff"] == 0.0
+        assert math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])
+
+
+def test_auto_backend_choice(monkeypatch: pytest.MonkeyPatch):
+    import fp8rl.train as ft
+    from fp8rl.model import ModelConfig
+    from fp8rl.model.transformer import Transformer
+
+    tiny, _ = load("tiny-arith")
+    assert ft.resolve_backend("auto", tiny) == "reference"  # small: the exact GEMMs
+    assert ft.resolve_backend("cpu", tiny) == "cpu"
+    big = Transformer(ModelConfig(vocab_size=512, hidden_size=512, intermediate_size=1536, num_layers=2,
+                                  num_heads=4, num_kv_heads=2, head_dim=128, max_position_embeddings=64))
+    monkeypatch.setattr(ft, "native_bf16_available", lambda: True)
+    assert ft.resolve_backend("auto", big) == "amx"
+    monkeypatch.setattr(ft, "native_bf16_available", lambda: False)
+    assert ft.resolve_backend("auto", big) == "cpu"
+
+
 def _numbers(path: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in TIMING} for r in read_metrics(path)]
 

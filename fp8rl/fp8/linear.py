@@ -9,9 +9,10 @@ W ``[N, K]``, the three GEMMs of a linear layer are
 
 Each runs in FP8 or BF16 as the flow says (fprop: ``flow.rollout_linear`` in
 phase "rollout", ``flow.train_fprop`` in phase "train"; dgrad:
-``flow.train_dgrad``; wgrad: ``flow.train_wgrad``). On CPU a BF16 GEMM means
-BF16-rounded operands with FP32 arithmetic and FP32 output; the BF16 weight
-operand is the master weight rounded to BF16.
+``flow.train_dgrad``; wgrad: ``flow.train_wgrad``). A BF16 GEMM is
+``gemm.bf16_matmul`` on the layer's backend (BF16-rounded operands with FP32
+arithmetic on ``reference``/``cpu``, the native BF16 GEMM on ``amx``); its
+weight operand is the master weight rounded to BF16.
 
 Weights are quantized once per optimizer step: ``refresh_weight()`` builds
 ``qweight`` (a 128x128-block QTensor) and ``weight_bf16`` from the master
@@ -55,6 +56,7 @@ class _Plan:
     backend: str | None
     qweight: QTensor | None
     weight_bf16: torch.Tensor | None
+    bf16_caches: tuple[dict, dict]  # converted forms of weight_bf16 and of its transpose
     name: str
 
 
@@ -66,7 +68,7 @@ class _FP8LinearFn(torch.autograd.Function):
             qx = quantize(x2, (1, 128), scale_fmt=plan.scale_fmt, name=f"{plan.name} input")
             y = fp8_matmul(qx, plan.qweight, backend=plan.backend)
         else:
-            y = bf16_matmul(x2, plan.weight_bf16)
+            y = bf16_matmul(x2, plan.weight_bf16, plan.backend, plan.bf16_caches[0])
         if bias is not None:
             y = y + bias.float()
         ctx.save_for_backward(x2)
@@ -83,9 +85,9 @@ class _FP8LinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             if plan.dgrad == "fp8":
                 qdy = quantize(dy2, (1, 128), scale_fmt=plan.scale_fmt, name=f"{plan.name} grad_output")
-                dx = fp8_matmul(qdy, plan.qweight.t(), backend=plan.backend)  # [T, N] . [K, N]^T
+                dx = fp8_matmul(qdy, plan.qweight.t(), backend=plan.backend, invariant=False)  # [T, N] . [K, N]^T
             else:
-                dx = bf16_matmul(dy2, plan.weight_bf16.T)
+                dx = bf16_matmul(dy2, plan.weight_bf16.T, plan.backend, plan.bf16_caches[1], invariant=False)
             if plan.grad_transport == "fp8":
                 # The gradient handed to the previous op travels as 1x128 FP8.
                 dx = dequantize(quantize(dx, (1, 128), scale_fmt=plan.scale_fmt, name=f"{plan.name} grad_input"))
@@ -96,9 +98,9 @@ class _FP8LinearFn(torch.autograd.Function):
                 # rows of their transposes, from the high-precision tensors.
                 qdy_t = quantize(dy2, (128, 1), scale_fmt=plan.scale_fmt, name=f"{plan.name} grad_output").t()
                 qx_t = quantize(x2, (128, 1), scale_fmt=plan.scale_fmt, name=f"{plan.name} input").t()
-                dw = fp8_matmul(qdy_t, qx_t, backend=plan.backend)  # [N, T] . [K, T]^T
+                dw = fp8_matmul(qdy_t, qx_t, backend=plan.backend, invariant=False)  # [N, T] . [K, T]^T
             else:
-                dw = bf16_matmul(dy2.T, x2.T)
+                dw = bf16_matmul(dy2.T, x2.T, plan.backend, invariant=False)
             dw = dw.to(ctx.w_dtype)
         if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
             db = dy2.sum(0).to(ctx.b_dtype)  # FP32 sum over tokens
@@ -138,6 +140,7 @@ class FP8Linear(nn.Module):
         self.phase = "train"
         self.qweight: QTensor | None = None
         self.weight_bf16: torch.Tensor | None = None
+        self._bf16_caches: tuple[dict, dict] = ({}, {})
         self._cache_key: tuple | None = None
 
     @classmethod
@@ -165,6 +168,7 @@ class FP8Linear(nn.Module):
             quantize(w, (128, 128), scale_fmt=self.flow.scale_fmt, name=f"{self.name}.weight") if need_fp8 else None
         )
         self.weight_bf16 = w.bfloat16() if need_bf16 else None
+        self._bf16_caches = ({}, {})  # new dicts: a running backward keeps the old ones
         self._cache_key = self._key()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -182,6 +186,7 @@ class FP8Linear(nn.Module):
             backend=self.backend,
             qweight=self.qweight,
             weight_bf16=self.weight_bf16,
+            bf16_caches=self._bf16_caches,
             name=self.name,
         )
         return _FP8LinearFn.apply(x, self.weight, self.bias, plan)

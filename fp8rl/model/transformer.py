@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+import torch.nn as nn
 
 from fp8rl.fp8.gemm import bf16_matmul
 
@@ -49,6 +49,40 @@ class _StraightThrough(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
         return grad, None
+
+
+class _HeadGrad(torch.autograd.Function):
+    """Attach the lm_head's gradient to logits computed without a graph.
+
+    Forward returns `out` (the logits already computed) unchanged. Backward is
+    that of a linear on the BF16-rounded operands: FP32 GEMMs on the
+    emulating backends, BF16 GEMMs (`bf16_matmul`) on "amx". No FP32 copy of
+    the logits is ever computed just to carry the graph."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, w: torch.Tensor, out: torch.Tensor, backend: str | None) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(h, w)
+        ctx.backend = backend
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:  # type: ignore[override]
+        h, w = ctx.saved_tensors
+        g2 = grad.reshape(-1, grad.shape[-1])  # [N, vocab]
+        h2 = h.detach().reshape(-1, h.shape[-1])  # [N, D]
+        dh = dw = None
+        if ctx.backend == "amx":
+            if ctx.needs_input_grad[0]:
+                dh = bf16_matmul(g2, w.detach().T, "amx", invariant=False).view_as(h)
+            if ctx.needs_input_grad[1]:
+                dw = bf16_matmul(g2.T, h2.T, "amx", invariant=False)
+            return dh, dw, None, None
+        w_r = w.detach().to(torch.bfloat16).float()
+        if ctx.needs_input_grad[0]:
+            dh = (g2 @ w_r).view_as(h)
+        if ctx.needs_input_grad[1]:
+            dw = g2.T @ h2.to(torch.bfloat16).float()
+        return dh, dw, None, None
 
 
 def store_heads(x: torch.Tensor, precision: str, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,21 +208,28 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, p_precision: str
 ) -> torch.Tensor:
-    """Softmax attention over a static number of key slots.
+    """Softmax attention over a static number of key slots, with grouped KV heads.
 
-    q [B, H, T, D]; k, v [B, H, L, D]; mask [B, 1, T, L] -> [B, H, T, D].
+    q [B, H, T, D]; k, v [B, Hkv, L, D] (query head h reads KV head h // (H/Hkv));
+    mask [B, 1, T, L] -> [B, H, T, D].
     The two matmuls run in float64 on float32 operands and round once to float32:
     the result no longer depends on how many query rows share the call (decode
     vs training), which batch-shaped float32 BLAS kernels do not promise.
+    The query heads of a group share one matmul against their KV head (no copy
+    of K/V per query head).
     `p_precision="fp8"` stores P in E4M3 with the fixed scale 1/448 (P is in [0, 1]).
     """
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    scores = (q.double() @ k.double().transpose(-1, -2)).float() * scale  # [B, H, T, L]
+    B, H, T, D = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(D)
+    qg = q.double().reshape(B, Hkv, (H // Hkv) * T, D)  # heads of a group stacked along rows
+    scores = (qg @ k.double().transpose(-1, -2)).float().view(B, H, T, L) * scale  # [B, H, T, L]
     scores = scores.masked_fill(~mask, float("-inf"))
     p = torch.softmax(scores, dim=-1)
     if p_precision == "fp8":
         _, p = store_heads(p, "fp8", torch.full((p.shape[1],), 1.0 / E4M3_MAX, device=p.device))
-    return (p.double() @ v.double()).float()
+    out = p.double().reshape(B, Hkv, (H // Hkv) * T, L) @ v.double()  # [B, Hkv, G*T, D]
+    return out.float().view(B, H, T, D)
 
 
 class Attention(nn.Module):
@@ -239,10 +280,6 @@ class Attention(nn.Module):
                 raise ValueError("a forward without a KV cache must start at slot 0")
             k_all = F.pad(k_val, (0, 0, 0, L - T))  # zero keys beyond T are masked
             v_all = F.pad(v_val, (0, 0, 0, L - T))
-        groups = self.n_heads // self.n_kv_heads
-        if groups > 1:
-            k_all = k_all.repeat_interleave(groups, dim=1)
-            v_all = v_all.repeat_interleave(groups, dim=1)
         out = attend(q_val, k_all, v_all, ctx.mask, self.qp_precision)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
@@ -290,10 +327,11 @@ class Transformer(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
-        # lm_head numerics: "fp32" (reference), "bf16" (bf16 operands, fp32 math), or
+        # lm_head numerics: "fp32" (reference), "bf16" (bf16_matmul on `head_backend`), or
         # "bf16-exact" (bf16 operands, float64 math: batch-invariant, for the reference backend).
         self.head_precision = "fp32"
-        self._head_cache: tuple[tuple, torch.Tensor] | None = None
+        self.head_backend: str | None = None
+        self._head_cache: tuple[tuple, Any] | None = None
         self.flow: Any = None  # the PrecisionFlow applied, if any
 
     @property
@@ -309,29 +347,27 @@ class Transformer(nn.Module):
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """lm_head logits [..., vocab]. Under a flow: BF16 operands, and a
-        batch-invariant GEMM (float64 on the exact backend, FP32 per 128-wide K
-        block otherwise) so a row's logits do not depend on the batch around it.
+        batch-invariant GEMM (float64 on the exact backend, `bf16_matmul` on the
+        others) so a row's logits do not depend on the batch around it.
         The gradient is that of an FP32 linear on the BF16-rounded operands."""
         w = self.lm_head.weight
         if self.head_precision == "fp32":
             return F.linear(h, w)
         exact = self.head_precision == "bf16-exact"
-        version = (w._version, w.data_ptr(), exact)
+        version = (w._version, w.data_ptr(), exact, self.head_backend)
         if self._head_cache is None or self._head_cache[0] != version:
             w_low = w.detach().to(torch.bfloat16)
-            self._head_cache = (version, w_low.double() if exact else w_low.float())
-        w_low = self._head_cache[1]
+            self._head_cache = (version, w_low.double() if exact else (w_low, {}))
         h2 = h.detach().reshape(-1, h.shape[-1])
         with torch.no_grad():
             if exact:
-                out = (h2.to(torch.bfloat16).double() @ w_low.T).float()
+                out = (h2.to(torch.bfloat16).double() @ self._head_cache[1].T).float()
             else:
-                out = bf16_matmul(h2, w_low, b_rounded=True)
+                w_low, converted = self._head_cache[1]
+                out = bf16_matmul(h2, w_low, self.head_backend, converted)
         out = out.view(*h.shape[:-1], out.shape[-1])
         if torch.is_grad_enabled() and (h.requires_grad or w.requires_grad):
-            h_r = _StraightThrough.apply(h, h.detach().to(torch.bfloat16).float())
-            w_r = _StraightThrough.apply(w, w.detach().to(torch.bfloat16).float())
-            out = _StraightThrough.apply(F.linear(h_r, w_r), out)
+            out = _HeadGrad.apply(h, w, out, self.head_backend)
         return out
 
     def forward(
@@ -369,5 +405,6 @@ def apply_flow(model: Transformer, flow: Any, backend: str | None = None) -> lis
         layer.self_attn.kv_precision = flow.kv_cache
         layer.self_attn.qp_precision = "fp8" if flow.attention == "fp8" else "bf16"
     model.head_precision = "bf16-exact" if backend == "reference" else "bf16"
+    model.head_backend = backend
     model.flow = flow
     return list(getattr(report, "converted", report))

@@ -119,7 +119,7 @@ def sample_next(
     Each row draws its own uniform noise from its own generator (Gumbel-max), so
     a sample depends only on its seed, not on the rest of the batch."""
     temp = params.logprob_temperature
-    logp = torch.log_softmax(logits / temp, dim=-1)
+    logp = torch.log_softmax(logits / temp if temp != 1.0 else logits, dim=-1)  # x / 1.0 == x: skip the pass
     if params.temperature == 0:
         tok = logits.argmax(dim=-1)
         return tok, logp.gather(-1, tok[:, None])[:, 0]
@@ -241,7 +241,7 @@ def score(
     ctx = make_context(rollout.pad_left, 0, S, rollout.cache_len, amax=amax)
     with phase(model, "train"):
         logits = model(tokens, ctx, n_last=S - P + 1)[:, :-1]  # predicts columns P .. S-1
-    logp_all = torch.log_softmax(logits / temperature, dim=-1)
+    logp_all = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
     target = tokens[:, P:]
     logp = torch.zeros(B, S, dtype=logp_all.dtype, device=tokens.device)
     logp[:, P:] = logp_all.gather(-1, target[..., None])[..., 0]

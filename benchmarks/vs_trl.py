@@ -12,9 +12,10 @@ TRL is given its fastest fair CPU setup: float32 weights (bf16 matmuls are
 several times slower than float32 on this CPU), gradient checkpointing off
 (GRPOConfig turns it on by default), no reference model (beta=0), and one
 training forward/backward over the whole batch, as fp8rl does with
-`train.micro_batches=1`. fp8rl does one extra no-grad forward per step (the
-behaviour log-probs for its mismatch metrics and importance weights) that TRL
-skips in this setting.
+`train.micro_batches=1` (where the training forward's log-probs also serve as
+the old ones for the mismatch metrics and importance weights, as in TRL).
+fp8rl runs on its fastest CPU backend by default (`--backend`: "amx", native
+BF16 GEMMs, where the CPU has them; "cpu" elsewhere).
 
 Completions stop at EOS on both sides, so the sampled lengths differ and so
 does the work: the report gives the mean completion length on each side, the
@@ -159,12 +160,14 @@ def patched_fp8rl_train(timers: Timers, trainer: Any):
         torch.Tensor.backward = backward
 
 
-def run_fp8rl(model_src: str, flow: str, P: int, G: int, L: int, lr: float, steps: int, tmp: Path) -> dict:
+def run_fp8rl(model_src: str, flow: str, backend: str, P: int, G: int, L: int, lr: float, steps: int,
+              tmp: Path) -> dict:
     from fp8rl.config import RunConfig
     from fp8rl.train import Trainer
 
     cfg = RunConfig().replace(**{
         "model": model_src, "task": "arith", "flow": flow, "seed": 0, "out": str(tmp / f"fp8rl-{flow}"),
+        "backend": backend,
         "rollout.prompts_per_step": P, "rollout.group_size": G, "rollout.max_new_tokens": L,
         "rollout.temperature": 1.0, "rollout.top_p": 1.0, "rollout.top_k": 0,
         "train.steps": 1 + steps, "train.micro_batches": 1, "train.lr": lr, "train.kl_coef": 0.0,
@@ -349,8 +352,8 @@ def rollout_benchers() -> tuple[Callable, Callable]:
     return bench_hf, bench_ours
 
 
-def bench_model(model_src: str, P: int, G: int, L: int, flows: list[str], lr: float, steps: int,
-                rollout: bool, log: Callable[[str], None]) -> dict:
+def bench_model(model_src: str, backend_choice: str, P: int, G: int, L: int, flows: list[str], lr: float,
+                steps: int, rollout: bool, log: Callable[[str], None]) -> dict:
     from fp8rl.model import export_hf, load
     from fp8rl.prompts import encode_prompts, format_prompt
     from fp8rl.train import resolve_backend
@@ -358,7 +361,7 @@ def bench_model(model_src: str, P: int, G: int, L: int, flows: list[str], lr: fl
     n_problems = (1 + steps) * P
     problems = problems_for(n_problems)
     model, tok = load(model_src)
-    backend = resolve_backend("auto", model)
+    backend = resolve_backend(backend_choice, model)
     prompt_texts = [format_prompt(tok, p.question) for p in problems]
     prompt_ids = encode_prompts(tok, [p.question for p in problems])
     res: dict[str, Any] = {"model": model_src, "prompts_per_step": P, "group_size": G, "max_new_tokens": L,
@@ -377,7 +380,7 @@ def bench_model(model_src: str, P: int, G: int, L: int, flows: list[str], lr: fl
         res["fp8rl"] = {}
         for flow in flows:
             log(f"[{model_src}] fp8rl {flow}: {1 + steps} steps")
-            res["fp8rl"][flow] = run_fp8rl(model_src, flow, P, G, L, lr, steps, tmp)
+            res["fp8rl"][flow] = run_fp8rl(model_src, flow, backend, P, G, L, lr, steps, tmp)
             log(f"[{model_src}] fp8rl {flow} step {res['fp8rl'][flow]['step_s']:.2f}s")
 
         if rollout:
@@ -454,6 +457,9 @@ def main() -> int:
     ap.add_argument("--group-size", type=int, help="samples per prompt (default: tiny 8, SmolLM2 4)")
     ap.add_argument("--max-new-tokens", type=int, help="completion budget (default: tiny 48, SmolLM2 64)")
     ap.add_argument("--lr", type=float, default=1e-6)
+    ap.add_argument("--backend", choices=("fast", "auto", "reference", "cpu", "amx"), default="fast",
+                    help="fp8rl GEMM backend; fast (default): amx where the CPU has native BF16, else cpu; "
+                         "auto: what `fp8rl train` picks (reference for the tiny model)")
     ap.add_argument("--steps", type=int, default=1, help="timed steps per side, after one warm-up step")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's default, all cores)")
     ap.add_argument("--no-rollout", action="store_true", help="skip the fixed-length rollout comparison")
@@ -466,6 +472,9 @@ def main() -> int:
     if args.steps < 1:
         ap.error("--steps must be >= 1")
     models = ["tiny-arith"] if args.quick else [m for m in args.models.split(",") if m]
+    from fp8rl.fp8.gemm import native_bf16_available
+
+    backend = ("amx" if native_bf16_available() else "cpu") if args.backend == "fast" else args.backend
     flows = [f for f in args.flows.split(",") if f]
 
     import datasets
@@ -489,7 +498,7 @@ def main() -> int:
         for src in models:
             dP, dG, dL = QUICK_SHAPE if args.quick else DEFAULT_SHAPES.get(src, DEFAULT_SHAPES["tiny-arith"])
             P, G, L = args.prompts or dP, args.group_size or dG, args.max_new_tokens or dL
-            results.append(bench_model(src, P, G, L, flows, args.lr, args.steps, not args.no_rollout, log))
+            results.append(bench_model(src, backend, P, G, L, flows, args.lr, args.steps, not args.no_rollout, log))
 
     from importlib.metadata import PackageNotFoundError, version
 

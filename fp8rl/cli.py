@@ -21,7 +21,7 @@ def _add_common(p: argparse.ArgumentParser, out_default: str | None = None) -> N
     p.add_argument("--model", help="built-in name (tiny-arith, smollm2-135m-instruct), HF folder or .gguf file")
     p.add_argument("--task", help="arith | arith:KEY=VAL,... | gsm8k:PATH | reasoning-gym:NAME")
     p.add_argument("--flow", help="precision preset: bf16, fp8-rollout, jet, jet-e2e, jet-kv, fp8-grads")
-    p.add_argument("--backend", help="FP8 GEMM backend: auto (default), reference (exact), cpu (fast)")
+    p.add_argument("--backend", help="GEMM backend: auto (default), reference (exact), cpu (FP32 emulation), amx (native BF16)")
     p.add_argument("--seed", type=int, help="random seed (data, sampling, init)")
     p.add_argument("--out", help=f"output directory{f' (default {out_default})' if out_default else ''}")
     p.add_argument(
@@ -294,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--flows", default="bf16,jet,jet-kv", help="comma-separated presets")
     p.add_argument("--batch", type=int, default=32, help="sequences per rollout (default 32)")
     p.add_argument("--max-new-tokens", type=int, default=48, help="tokens per sequence (default 48)")
-    p.add_argument("--backend", default="auto", help="FP8 GEMM backend: auto, reference, cpu")
+    p.add_argument("--backend", default="auto", help="GEMM backend: auto, reference, cpu, amx")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     p.set_defaults(fn=cmd_bench)
 

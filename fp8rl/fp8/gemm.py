@@ -181,7 +181,9 @@ def _cpu(a: QTensor, b: QTensor, out_dtype: torch.dtype, invariant: bool = True)
 _NATIVE_ROWS = 128
 
 
-def _native_rows(a: torch.Tensor, b_t: torch.Tensor, invariant: bool = True) -> torch.Tensor:
+def _native_rows(
+    a: torch.Tensor, b_t: torch.Tensor, invariant: bool = True, scratch: dict | None = None
+) -> torch.Tensor:
     """BF16 ``a [M, K] @ b_t [K, N]`` -> FP32 ``[M, N]`` on the CPU's native BF16 GEMM.
 
     Batch invariance: oneDNN picks its K blocking (hence the summation order)
@@ -192,11 +194,23 @@ def _native_rows(a: torch.Tensor, b_t: torch.Tensor, invariant: bool = True) -> 
     decode steps match the training forward bit for bit. A property of oneDNN
     checked by the tests, not a guarantee; ``reference`` guarantees it.
     ``invariant=False`` (backward GEMMs, which nothing compares row by row)
-    makes one call on all rows.
+    makes one call on all rows. ``scratch``: a dict owned by the weight where
+    a decode step's padded input and output buffers live between calls
+    (fresh ~128 KB buffers every call cost page faults: about a quarter of a
+    SmolLM2 decode step when allocated per call).
     """
     if not invariant:
         return (a @ b_t).float()
     m = a.shape[0]
+    if m <= _NATIVE_ROWS and scratch is not None:
+        if "rows_in" not in scratch:
+            scratch["rows_in"] = a.new_zeros(_NATIVE_ROWS, a.shape[1])
+            scratch["rows_out"] = a.new_empty(_NATIVE_ROWS, b_t.shape[1])
+        buf = scratch["rows_in"]
+        buf[:m].copy_(a)
+        buf[m:].zero_()
+        torch.mm(buf, b_t, out=scratch["rows_out"])
+        return scratch["rows_out"][:m].float()
     pad = -m % _NATIVE_ROWS
     if pad:
         a = torch.cat([a, a.new_zeros(pad, a.shape[1])])
@@ -226,7 +240,7 @@ def _amx(a: QTensor, b: QTensor, out_dtype: torch.dtype, invariant: bool = True)
     The weight side is dequantized and transposed once per quantization."""
     if "amx_t" not in b.cache:
         b.cache["amx_t"] = _dequant_bf16(b).T.contiguous()
-    return _native_rows(_dequant_bf16(a), b.cache["amx_t"], invariant).to(out_dtype)
+    return _native_rows(_dequant_bf16(a), b.cache["amx_t"], invariant, b.cache).to(out_dtype)
 
 
 def bf16_matmul(
@@ -256,7 +270,7 @@ def bf16_matmul(
     if key not in cache:
         cache[key] = b.bfloat16().T.contiguous() if name == "amx" else _k_blocks(b.bfloat16().float(), bk)
     if name == "amx":
-        return _native_rows(a.bfloat16(), cache[key], invariant)
+        return _native_rows(a.bfloat16(), cache[key], invariant, cache)
     return _accumulate_k_blocks(a.bfloat16().float(), cache[key], bk)
 
 

@@ -11,7 +11,7 @@ intermediate 1536, 3 KV heads of 64) on 2048 tokens:
 For each GEMM ``y[M, N] = x[M, K] @ w[N, K]^T`` it measures:
 - quantization throughput (GB/s of FP32 input read) for the activation
   (1x128 tiles) and the weight (128x128 blocks),
-- ``fp8_matmul`` per backend on pre-quantized operands, ``reference`` skipped
+- ``fp8_matmul`` per backend (``reference``, ``cpu``, ``amx``) on pre-quantized operands, ``reference`` skipped
   for 4096^3 (float64, minutes on a laptop CPU),
 - torch FP32 matmul, torch BF16 matmul (BF16 in, BF16 out), and the BF16 GEMM
   as FP8Linear runs it on CPU (BF16-rounded operands, FP32 math),
@@ -82,6 +82,7 @@ def bench_one(name: str, m: int, n: int, k: int, repeats: int) -> dict:
     r["bf16_emulated_ms"] = best_ms(lambda: x.bfloat16().float() @ w.bfloat16().float().T, repeats)
     r["fp8_cpu_vs_fp32"] = r["fp8_cpu_ms"] / r["fp32_ms"]
     r["fp8_cpu_vs_bf16"] = r["fp8_cpu_ms"] / r["bf16_ms"]
+    r["fp8_amx_vs_bf16"] = r["fp8_amx_ms"] / r["bf16_ms"]
     r["fp8_weight_bytes"], r["bf16_weight_bytes"] = qw.nbytes, w.numel() * 2
     r["fp8_weight_bytes_ratio"] = qw.nbytes / (w.numel() * 2)
     return r
@@ -89,7 +90,7 @@ def bench_one(name: str, m: int, n: int, k: int, repeats: int) -> dict:
 
 def table(rows: list[dict]) -> str:
     head = (
-        f"{'gemm':22s} {'MxNxK':>16s} {'qact GB/s':>9s} {'qw GB/s':>8s} {'fp8 ref':>9s} {'fp8 cpu':>8s} "
+        f"{'gemm':22s} {'MxNxK':>16s} {'qact GB/s':>9s} {'qw GB/s':>8s} {'fp8 ref':>9s} {'fp8 cpu':>8s} {'fp8 amx':>8s} "
         f"{'fp32':>7s} {'bf16':>7s} {'bf16emu':>8s} {'w bytes':>7s}"
     )
     lines = [head, "-" * len(head)]
@@ -98,7 +99,7 @@ def table(rows: list[dict]) -> str:
         lines.append(
             f"{r['name']:22s} {r['M']:>5d}x{r['N']:>4d}x{r['K']:>4d} "
             f"{r['quant_act_GBps']:9.2f} {r['quant_weight_GBps']:8.2f} "
-            f"{ref:>9s} {r['fp8_cpu_ms']:8.2f} {r['fp32_ms']:7.2f} {r['bf16_ms']:7.2f} {r['bf16_emulated_ms']:8.2f} "
+            f"{ref:>9s} {r['fp8_cpu_ms']:8.2f} {r['fp8_amx_ms']:8.2f} {r['fp32_ms']:7.2f} {r['bf16_ms']:7.2f} {r['bf16_emulated_ms']:8.2f} "
             f"{r['fp8_weight_bytes_ratio']:7.4f}"
         )
     lines.append("times in ms (best of repeats); w bytes = FP8 weight (data + scales) / BF16 weight")

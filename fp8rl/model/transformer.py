@@ -215,21 +215,23 @@ def attend(
     The two matmuls run in float64 on float32 operands and round once to float32:
     the result no longer depends on how many query rows share the call (decode
     vs training), which batch-shaped float32 BLAS kernels do not promise.
-    The query heads of a group share one matmul against their KV head (no copy
-    of K/V per query head).
+    K/V are repeated per query head before the matmuls. (Stacking a group's
+    query heads into one matmul against the shared KV head gives the same
+    forward bits but sums the K/V gradients in another order, which changes
+    training runs in the last bits; the repeat keeps runs reproducible.)
     `p_precision="fp8"` stores P in E4M3 with the fixed scale 1/448 (P is in [0, 1]).
     """
-    B, H, T, D = q.shape
-    Hkv, L = k.shape[1], k.shape[2]
-    scale = 1.0 / math.sqrt(D)
-    qg = q.double().reshape(B, Hkv, (H // Hkv) * T, D)  # heads of a group stacked along rows
-    scores = (qg @ k.double().transpose(-1, -2)).float().view(B, H, T, L) * scale  # [B, H, T, L]
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    scores = (q.double() @ k.double().transpose(-1, -2)).float() * scale  # [B, H, T, L]
     scores = scores.masked_fill(~mask, float("-inf"))
     p = torch.softmax(scores, dim=-1)
     if p_precision == "fp8":
         _, p = store_heads(p, "fp8", torch.full((p.shape[1],), 1.0 / E4M3_MAX, device=p.device))
-    out = p.double().reshape(B, Hkv, (H // Hkv) * T, L) @ v.double()  # [B, Hkv, G*T, D]
-    return out.float().view(B, H, T, D)
+    return (p.double() @ v.double()).float()
 
 
 class Attention(nn.Module):

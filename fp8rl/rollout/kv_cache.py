@@ -56,18 +56,16 @@ class KVCache:
 
     def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write stored K/V [B, H, T, D] at slots [start, start+T); return the whole
-        cache of this layer as values [B, H, cache_len, D]: float64 for FP32/BF16
-        storage (exact, and what the attention computes in: one conversion pass
-        instead of two), FP32 `data * scale` for FP8 (rounded like the training
-        forward's values)."""
+        cache of this layer as float32 values [B, H, cache_len, D]."""
         T = k.shape[2]
         if start + T > self.cache_len:
             raise ValueError(f"KV cache overflow: slots [{start}, {start + T}) exceed cache_len {self.cache_len}")
         self.k[layer][:, :, start : start + T] = k
         self.v[layer][:, :, start : start + T] = v
-        if self.precision != "fp8":
-            return self.k[layer].double(), self.v[layer].double()
-        return self.k[layer].float() * self.k_scales[layer], self.v[layer].float() * self.v_scales[layer]
+        kf, vf = self.k[layer].float(), self.v[layer].float()
+        if self.precision == "fp8":
+            kf, vf = kf * self.k_scales[layer], vf * self.v_scales[layer]
+        return kf, vf
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only batch rows `rows` (drop finished sequences)."""

@@ -339,15 +339,8 @@ def rollout_benchers() -> tuple[Callable, Callable]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from rollout import bench_hf
 
-    try:
-        from fp8rl.bench import bench_rollout as bench_ours
-    except ImportError:  # older layout: the function lived in benchmarks/rollout.py
-        from rollout import bench_ours as _ours
+    from fp8rl.bench import bench_rollout as bench_ours
 
-        def bench_ours(model_src: str, flow: str, backend: str, prompts: list, max_new: int, pad_id: int) -> dict:
-            class _Tok:
-                pad_token_id = pad_id
-            return _ours(model_src, flow, backend, prompts, max_new, _Tok())
     return bench_hf, bench_ours
 
 

@@ -38,7 +38,7 @@ from typing import Callable
 
 import torch
 
-from fp8rl.fp8.quant import QTensor, fp8_to_float
+from fp8rl.fp8.quant import QTensor, dequantize, fp8_to_float
 
 
 def _row_scales(q: QTensor) -> torch.Tensor:
@@ -220,27 +220,13 @@ def _native_rows(
     return out[:m].float()
 
 
-def _dequant_bf16(q: QTensor) -> torch.Tensor:
-    """BF16 ``[rows, K]`` of ``data * scale`` (exact for power-of-two scales)."""
-    x = fp8_to_float(q.data)
-    bk = q.block[1]
-    s = _row_scales(q)
-    k = x.shape[1]
-    kb = s.shape[1]
-    if k == kb * bk:
-        x = (x.view(x.shape[0], kb, bk) * s[:, :, None]).view(x.shape[0], k)
-    else:
-        x = x * s.repeat_interleave(bk, dim=1)[:, :k]
-    return x.bfloat16()
-
-
 def _amx(a: QTensor, b: QTensor, out_dtype: torch.dtype, invariant: bool = True) -> torch.Tensor:
     """Dequantize both operands to BF16, one native BF16 GEMM (``_native_rows``).
 
     The weight side is dequantized and transposed once per quantization."""
     if "amx_t" not in b.cache:
-        b.cache["amx_t"] = _dequant_bf16(b).T.contiguous()
-    return _native_rows(_dequant_bf16(a), b.cache["amx_t"], invariant, b.cache).to(out_dtype)
+        b.cache["amx_t"] = dequantize(b).bfloat16().T.contiguous()
+    return _native_rows(dequantize(a).bfloat16(), b.cache["amx_t"], invariant, b.cache).to(out_dtype)
 
 
 def bf16_matmul(
@@ -262,9 +248,7 @@ def bf16_matmul(
     ``invariant=False`` lets a backend drop what it does only to make rows
     independent of the batch (backward GEMMs).
     """
-    name = default_backend(a.device) if backend is None else backend
-    if name not in _BACKENDS:
-        raise ValueError(f"unknown bf16_matmul backend {name!r}; valid backends: {', '.join(BACKENDS)}")
+    name = _resolve_backend(backend, a.device)
     key = "amx_t" if name == "amx" else "fp32_blocks"
     cache = {} if b_cache is None else b_cache
     if key not in cache:
@@ -298,6 +282,14 @@ def default_backend(device: torch.device) -> str:
     return "cpu" if device.type == "cpu" else "reference"
 
 
+def _resolve_backend(backend: str | None, device: torch.device) -> str:
+    """The backend name a GEMM runs on: ``backend``, or the device's default."""
+    name = default_backend(device) if backend is None else backend
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown GEMM backend {name!r}; valid backends: {', '.join(BACKENDS)}")
+    return name
+
+
 def fp8_matmul(
     a: QTensor,
     b: QTensor,
@@ -314,8 +306,4 @@ def fp8_matmul(
     and ``cpu`` are invariant either way.
     """
     _check_operands(a, b)
-    name = default_backend(a.data.device) if backend is None else backend
-    fn = _BACKENDS.get(name)
-    if fn is None:
-        raise ValueError(f"unknown fp8_matmul backend {name!r}; valid backends: {', '.join(BACKENDS)}")
-    return fn(a, b, out_dtype, invariant)
+    return _BACKENDS[_resolve_backend(backend, a.data.device)](a, b, out_dtype, invariant)

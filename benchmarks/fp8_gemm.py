@@ -33,8 +33,7 @@ from typing import Callable
 
 import torch
 
-from fp8rl.fp8 import fp8_matmul, quantize
-from fp8rl.fp8.gemm import BACKENDS
+from fp8rl.fp8 import BACKENDS, fp8_matmul, quantize
 
 
 def best_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -71,10 +70,10 @@ def bench_one(name: str, m: int, n: int, k: int, repeats: int) -> dict:
     t = best_ms(lambda: quantize(w, (128, 128)), repeats)
     r["quant_weight_ms"], r["quant_weight_GBps"] = t, w.numel() * 4 / t / 1e6
     for backend in BACKENDS:
-        if backend == "reference" and m * n * k > 2**31:
+        if BACKENDS[backend].exact and m * n * k > 2**31:
             r["fp8_reference_ms"] = None  # float64 reference: skipped on big shapes
             continue
-        n_rep = 1 if backend == "reference" else repeats
+        n_rep = 1 if BACKENDS[backend].exact else repeats
         r[f"fp8_{backend}_ms"] = best_ms(lambda: fp8_matmul(qx, qw, backend=backend), n_rep)
     r["fp32_ms"] = best_ms(lambda: x @ w.T, repeats)
     xb, wb = x.bfloat16(), w.bfloat16()

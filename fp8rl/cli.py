@@ -1,7 +1,11 @@
-"""`fp8rl` command line: train | eval | sft | mismatch | export | compare.
+"""`fp8rl` command line: train | eval | mismatch | sft | export | compare | bench.
 
-Each command takes a TOML `--config` (see configs/) plus flag overrides; flags
-win over the file. `--json` prints one JSON object with the results.
+Every command reads the same run config (fp8rl/config.py), with one
+precedence: dataclass defaults < the command's own defaults
+(`COMMAND_DEFAULTS`) < the TOML `--config` < `--set KEY=VALUE` < flags. A
+flag's argparse `dest` is the config key it sets (`--n` -> `eval.n`), so
+`_run_config` is the one place where flags become config. `--json` prints one
+JSON object with the results.
 """
 
 from __future__ import annotations
@@ -13,17 +17,70 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-COMMON_FLAGS = ("config", "model", "task", "flow", "seed", "out", "backend")
+from fp8rl.config import CHOICES, RunConfig, default_values, load_config, parse_override
+
+BACKEND_HELP = "GEMM backend: auto (choose_backend's pick) or one of {backends}"
+
+# Flags of the top-level config keys (dest = the key); each command takes those it uses.
+TOP_FLAGS: dict[str, dict[str, Any]] = {
+    "model": {"help": "built-in name (tiny-arith, smollm2-135m-instruct), HF folder or .gguf file"},
+    "task": {"help": "arith | arith:KEY=VAL,... | gsm8k:PATH | reasoning-gym:NAME"},
+    "flow": {"help": "precision preset: {presets}"},
+    "backend": {"help": BACKEND_HELP},
+    "seed": {"type": int, "help": "random seed (data, sampling, init)"},
+    "out": {"help": "output directory"},
+}
+
+# Each command's own defaults of top-level keys: a layer below the config file,
+# so a file or flag that sets the key wins.
+COMMAND_DEFAULTS: dict[str, dict[str, Any]] = {
+    "sft": {"out": "runs/sft", "model": ""},  # model "" = build the tiny policy from scratch
+    "compare": {"out": "runs/compare"},
+    "export": {"out": "", "model": ""},  # export needs both, from a flag or the config
+}
 
 
-def _add_common(p: argparse.ArgumentParser, out_default: str | None = None) -> None:
-    p.add_argument("--config", help="TOML config file (see configs/); flags override its values")
-    p.add_argument("--model", help="built-in name (tiny-arith, smollm2-135m-instruct), HF folder or .gguf file")
-    p.add_argument("--task", help="arith | arith:KEY=VAL,... | gsm8k:PATH | reasoning-gym:NAME")
-    p.add_argument("--flow", help="precision preset: bf16, fp8-rollout, jet, jet-e2e, jet-kv, fp8-grads")
-    p.add_argument("--backend", help="GEMM backend: auto (default), reference (exact), cpu (FP32 emulation), amx (native BF16)")
-    p.add_argument("--seed", type=int, help="random seed (data, sampling, init)")
-    p.add_argument("--out", help=f"output directory{f' (default {out_default})' if out_default else ''}")
+def _names(text: str) -> tuple[str, ...]:
+    """`a,b,c` -> ("a", "b", "c") (for --flows)."""
+    return tuple(s.strip() for s in text.split(",") if s.strip())
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    """`0,1,2` -> (0, 1, 2) (for --seeds)."""
+    try:
+        return tuple(int(s) for s in _names(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _config_flag(
+    p: argparse.ArgumentParser, flag: str, key: str, text: str, defaults: dict[str, Any], **kw: Any
+) -> None:
+    """`flag` sets config key `key` (its dest). Its argparse default is None, so an
+    absent flag lets the lower layers through; the help names the key and its default."""
+    shown = defaults[key]
+    shown = ",".join(map(str, shown)) if isinstance(shown, tuple) else shown
+    if key in CHOICES:
+        kw.setdefault("choices", CHOICES[key])
+    else:
+        kw.setdefault("metavar", flag.lstrip("-").upper().replace("-", "_"))
+    text += f" [{key} = {shown}]" if shown != "" else f" [{key}]"
+    p.add_argument(flag, dest=key, default=None, help=text, **kw)
+
+
+def _add_common(
+    p: argparse.ArgumentParser, keys: Sequence[str], defaults: dict[str, Any], **texts: str
+) -> None:
+    """--config, --set, --json, and the flags of the top-level `keys` (`texts` replace their help)."""
+    from fp8rl.fp8.backends import BACKENDS
+    from fp8rl.precision import PRESETS
+
+    names = {"presets": ", ".join(PRESETS), "backends": ", ".join(BACKENDS)}  # the registries, never a copy
+    p.add_argument("--config", help="TOML config file (see configs/); --set and flags override its values")
+    for key in keys:
+        spec = TOP_FLAGS[key]
+        text = texts.get(key, spec["help"]).format(**names)
+        _config_flag(p, f"--{key}", key, text, defaults, type=spec.get("type", str))
     p.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE",
         help="override any config key, e.g. --set train.lr=1e-4 --set rollout.group_size=4 (repeatable)",
@@ -31,19 +88,13 @@ def _add_common(p: argparse.ArgumentParser, out_default: str | None = None) -> N
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
 
 
-def _run_config(args: argparse.Namespace, extra: dict[str, Any] | None = None):
-    from fp8rl.config import load_config, parse_override
-
-    overrides: dict[str, Any] = {}
-    for name in COMMON_FLAGS[1:]:
-        value = getattr(args, name, None)
-        if value is not None:
-            overrides[name] = value
-    for item in args.set:
-        key, value = parse_override(item)
-        overrides[key] = value
-    overrides.update(extra or {})
-    return load_config(args.config, overrides)
+def _run_config(args: argparse.Namespace) -> RunConfig:
+    """The one configuration path of every command: dataclass defaults < COMMAND_DEFAULTS
+    < --config < --set < flags (the parsed args whose dest is a config key)."""
+    keys = default_values()
+    overrides = dict(parse_override(item) for item in args.set)
+    overrides.update({k: v for k, v in vars(args).items() if k in keys and v is not None})
+    return load_config(args.config, overrides, COMMAND_DEFAULTS.get(args.command, {}))
 
 
 def _emit(args: argparse.Namespace, result: dict[str, Any], human: str) -> None:
@@ -53,20 +104,23 @@ def _emit(args: argparse.Namespace, result: dict[str, Any], human: str) -> None:
         print(human)
 
 
-def _load_under_flow(model_src: str, flow_name: str | None, backend: str):
+def _load(model_src: str) -> tuple[Any, Any]:
+    """(model, tokenizer); a model without tokenizer files is an error here."""
     from fp8rl.model import load
-    from fp8rl.model.transformer import apply_flow
-    from fp8rl.precision import PRESETS, get_flow, refresh_weights
-    from fp8rl.train import resolve_backend
 
     model, tok = load(model_src)
     if tok is None:
-        raise SystemExit(f"error: model {model_src!r} has no tokenizer files")
-    if flow_name is not None:
-        flow = get_flow(flow_name) if flow_name not in PRESETS else PRESETS[flow_name]
-        apply_flow(model, flow, backend=resolve_backend(backend, model))
-        refresh_weights(model)
+        raise ValueError(f"model {model_src!r} has no tokenizer files")
     return model, tok
+
+
+def _load_under_flow(cfg: RunConfig) -> tuple[Any, Any, Any]:
+    """`cfg.model` under `cfg.flow` on `cfg.backend`: (model, tokenizer, plan)."""
+    from fp8rl.precision import apply_flow
+
+    model, tok = _load(cfg.model)
+    plan = apply_flow(model, cfg.flow, backend=cfg.backend)
+    return model, tok, plan
 
 
 # -- commands ----------------------------------------------------------------------------
@@ -77,8 +131,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from fp8rl.train import Trainer
 
-    extra = {"train.steps": args.steps} if args.steps is not None else {}
-    cfg = _run_config(args, extra)
+    cfg = _run_config(args)
     console = Console(stderr=args.json)
     console.print("[bold]fp8rl train[/bold] resolved config:")
     console.print_json(json.dumps(cfg.to_dict()))
@@ -102,16 +155,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from fp8rl.tasks import make_task
 
     cfg = _run_config(args)
-    model, tok = _load_under_flow(cfg.model, args.flow, cfg.backend)
-    problems = make_task(cfg.task).test_problems(args.n)
+    problems = make_task(cfg.task).test_problems(cfg.eval.n)
+    model, tok, _ = _load_under_flow(cfg)
     t0 = time.perf_counter()
     res = evaluate(
-        model, tok, problems, max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature if args.temperature is not None else 0.0,
-        seed=cfg.seed, system_prompt=cfg.system_prompt,
+        model, tok, problems, max_new_tokens=cfg.eval.max_new_tokens, temperature=cfg.eval.temperature,
+        batch_size=cfg.eval.batch_size, seed=cfg.seed, system_prompt=cfg.system_prompt,
     )
     res["seconds"] = time.perf_counter() - t0
-    res["flow"] = args.flow or "fp32"
+    res["flow"] = cfg.flow
     human = f"accuracy {res['accuracy']:.3f} on {res['n']} held-out problems of {cfg.task} ({res['seconds']:.1f} s)"
     if not args.json:
         for s in res["samples"]:
@@ -125,14 +177,15 @@ def cmd_mismatch(args: argparse.Namespace) -> int:
     from fp8rl.tasks import make_task
 
     cfg = _run_config(args)
-    model, tok = _load_under_flow(cfg.model, cfg.flow, cfg.backend)
-    problems = make_task(cfg.task).test_problems(args.prompts)
+    m = cfg.mismatch
+    problems = make_task(cfg.task).test_problems(m.prompts)
+    model, tok, plan = _load_under_flow(cfg)
     t0 = time.perf_counter()
     res = measure_mismatch(
-        model, tok, problems, samples=args.samples, max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature, seed=cfg.seed, system_prompt=cfg.system_prompt,
+        model, tok, problems, samples=m.samples, max_new_tokens=m.max_new_tokens,
+        temperature=m.temperature, seed=cfg.seed, system_prompt=cfg.system_prompt, calibration=cfg.calibration,
     )
-    res.update(flow=cfg.flow, model=cfg.model, backend=model.head_backend, seconds=time.perf_counter() - t0)
+    res.update(flow=cfg.flow, model=cfg.model, backend=plan.backend.name, seconds=time.perf_counter() - t0)
     human = "\n".join(f"{k:>24}: {v}" for k, v in res.items())
     _emit(args, res, human)
     return 0
@@ -142,36 +195,34 @@ def cmd_sft(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
     from fp8rl.evaluate import evaluate
-    from fp8rl.sft import SFTConfig, build_tiny_policy, run_sft, save_policy, sft_info
+    from fp8rl.sft import build_tiny_policy, run_sft, save_policy, sft_info
     from fp8rl.tasks import make_task
 
-    task = make_task(args.task)
-    cfg = SFTConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-                    early_answer_noise=args.early_answer_noise)
-    if args.model:
-        from fp8rl.model import load
-
-        model, tok = load(args.model)
-        if tok is None:
-            raise SystemExit(f"error: model {args.model!r} has no tokenizer files")
-    else:
-        model, tok = build_tiny_policy(task, cfg)
-    print(f"fp8rl sft: {sum(p.numel() for p in model.parameters()):,} parameters, {cfg}", file=sys.stderr)
+    cfg = _run_config(args)
+    s, out = cfg.sft, Path(cfg.out)
+    # save_policy replaces `out`: never a folder sft did not write (a shared config's `out` is a run directory)
+    if out.is_dir() and any(out.iterdir()) and not (out / "sft.json").is_file():
+        raise FileExistsError(f"output directory {out} is not empty and holds no sft policy; choose another --out")
+    task = make_task(cfg.task)
+    model, tok = _load(cfg.model) if cfg.model else build_tiny_policy(task, s, seed=cfg.seed)
+    print(f"fp8rl sft: {sum(p.numel() for p in model.parameters()):,} parameters, seed {cfg.seed}, {s}",
+          file=sys.stderr)
     t0 = time.perf_counter()
     with Progress(disable=args.json) as bar:
-        tid = bar.add_task("sft", total=cfg.steps)
+        tid = bar.add_task("sft", total=s.steps)
 
         def on_step(step: int, loss: float, lr: float) -> None:
             bar.update(tid, completed=step + 1, description=f"sft loss {loss:.3f}")
 
-        losses = run_sft(model, tok, task, cfg, on_step=on_step)
+        losses = run_sft(model, tok, task, s, seed=cfg.seed, on_step=on_step, system_prompt=cfg.system_prompt)
     seconds = time.perf_counter() - t0
-    ev = evaluate(model, tok, task.test_problems(args.eval_n), max_new_tokens=args.max_new_tokens)
+    ev = evaluate(model, tok, task.test_problems(s.eval_n), max_new_tokens=s.max_new_tokens,
+                  system_prompt=cfg.system_prompt)
     command = "fp8rl sft " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["sft"] else "fp8rl sft"
-    info = sft_info(cfg, task, losses, ev, seconds, command)
-    save_policy(model, tok, Path(args.out), info)
-    info["out"] = args.out
-    _emit(args, info, f"saved {args.out}: held-out accuracy {ev['accuracy']:.3f} (n={ev['n']}), "
+    info = sft_info(s, cfg.seed, task, losses, ev, seconds, command)
+    save_policy(model, tok, out, info)
+    info["out"] = cfg.out
+    _emit(args, info, f"saved {cfg.out}: held-out accuracy {ev['accuracy']:.3f} (n={ev['n']}), "
                       f"final loss {losses[-1]:.4f}, {seconds:.0f} s")
     return 0
 
@@ -181,33 +232,28 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     from fp8rl.model import export_fp8_block, export_hf, load
 
-    if not args.model or not args.out:
+    cfg = _run_config(args)
+    if not cfg.model or not cfg.out:
         raise ValueError("export needs --model and --out (flags or config keys)")
-    model, tok = load(args.model)
-    if args.format == "hf":
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-        export_hf(model, tok, Path(args.out), dtype=dtype, overwrite=args.overwrite)
+    e, out = cfg.export, Path(cfg.out)
+    model, tok = load(cfg.model)
+    if e.format == "hf":
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[e.dtype]
+        export_hf(model, tok, out, dtype=dtype, overwrite=args.overwrite)
     else:
-        export_fp8_block(model, tok, Path(args.out), scale_fmt=args.scale_fmt, overwrite=args.overwrite)
-    files = sorted(p.name for p in Path(args.out).iterdir())
-    _emit(args, {"out": args.out, "format": args.format, "files": files}, f"wrote {args.out}: {', '.join(files)}")
+        export_fp8_block(model, tok, out, scale_fmt=e.scale_fmt, overwrite=args.overwrite)
+    files = sorted(p.name for p in out.iterdir())
+    _emit(args, {"out": cfg.out, "format": e.format, "files": files}, f"wrote {cfg.out}: {', '.join(files)}")
     return 0
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from fp8rl.compare import run_compare
 
-    extra = {"train.steps": args.steps} if args.steps is not None else {}
-    cfg = _run_config(args, extra)
-    flows = [f.strip() for f in args.flows.split(",") if f.strip()]
-    from fp8rl.precision import PRESETS
-
-    unknown = [f for f in flows if f not in PRESETS]
-    if unknown:
-        raise ValueError(f"unknown flow {unknown[0]!r} in --flows; valid presets: {', '.join(PRESETS)}")
-    seeds = [int(s) for s in args.seeds.split(",")]
-    out = Path(args.out or "runs/compare")
-    report = run_compare(cfg, flows, seeds, out, progress=not args.json)
+    cfg = _run_config(args)
+    out = Path(cfg.out)
+    log = (lambda line: print(line, file=sys.stderr)) if args.json else print  # --json: stdout is the report only
+    report = run_compare(cfg, list(cfg.compare.flows), list(cfg.compare.seeds), out, progress=not args.json, log=log)
     _emit(args, report, (out / "report.md").read_text())
     return 0
 
@@ -215,8 +261,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from fp8rl.bench import bench_flows, table
 
-    flows = [f.strip() for f in args.flows.split(",") if f.strip()]
-    report = bench_flows(args.model, flows, args.batch, args.max_new_tokens, args.backend)
+    report = bench_flows(_run_config(args))
     _emit(args, report, table(report))
     return 0
 
@@ -229,127 +274,93 @@ def build_parser() -> argparse.ArgumentParser:
         prog="fp8rl", description="On-policy FP8 reinforcement learning of language models."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    parser.subcommands = sub.choices  # name -> the subcommand's parser (for flat TOML defaults)
+    base = default_values()
 
-    p = sub.add_parser("train", help="GRPO training under a precision flow",
-                       description="GRPO training: rollout, reward, PPO update, quantize once, recalibrate.")
-    _add_common(p, "runs/default")
-    p.add_argument("--steps", type=int, help="number of RL steps (train.steps)")
+    def command(name: str, **kw: Any) -> tuple[argparse.ArgumentParser, dict[str, Any]]:
+        """A subcommand's parser and the defaults its help shows (its own over the dataclasses')."""
+        return sub.add_parser(name, **kw), {**base, **COMMAND_DEFAULTS.get(name, {})}
+
+    run_keys = ("model", "task", "flow", "backend", "seed", "out")
+
+    p, d = command("train", help="GRPO training under a precision flow",
+                   description="GRPO training: rollout, reward, PPO update, quantize once, recalibrate.")
+    _add_common(p, run_keys, d)
+    _config_flag(p, "--steps", "train.steps", "number of RL steps", d, type=int)
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(fn=cmd_train)
 
-    p = sub.add_parser("eval", help="held-out accuracy", description="Held-out accuracy (greedy unless --temperature).")
-    _add_common(p)
-    p.add_argument("--n", type=int, default=200, help="number of held-out problems (default 200)")
-    p.add_argument("--temperature", type=float, help="sampling temperature (default: greedy)")
-    p.add_argument("--max-new-tokens", type=int, default=48, help="generation budget (default 48)")
+    p, d = command("eval", help="held-out accuracy",
+                   description="Held-out accuracy under the config's flow (greedy unless --temperature).")
+    _add_common(p, run_keys, d)
+    _config_flag(p, "--n", "eval.n", "number of held-out problems", d, type=int)
+    _config_flag(p, "--temperature", "eval.temperature", "sampling temperature (0 = greedy)", d, type=float)
+    _config_flag(p, "--max-new-tokens", "eval.max_new_tokens", "generation budget", d, type=int)
     p.set_defaults(fn=cmd_eval)
 
-    p = sub.add_parser("mismatch", help="rollout vs training-forward log-prob mismatch",
-                       description="Sample with the rollout engine, re-score with the training forward, "
-                                   "print the mismatch metrics.")
-    _add_common(p)
-    p.add_argument("--prompts", type=int, default=16, help="number of problems (default 16)")
-    p.add_argument("--samples", type=int, default=4, help="samples per problem (default 4)")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="generation budget (default 64)")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
+    p, d = command("mismatch", help="rollout vs training-forward log-prob mismatch",
+                   description="Sample with the rollout engine, re-score with the training forward, "
+                               "print the mismatch metrics.")
+    _add_common(p, run_keys, d)
+    _config_flag(p, "--prompts", "mismatch.prompts", "number of problems", d, type=int)
+    _config_flag(p, "--samples", "mismatch.samples", "samples per problem", d, type=int)
+    _config_flag(p, "--max-new-tokens", "mismatch.max_new_tokens", "generation budget", d, type=int)
+    _config_flag(p, "--temperature", "mismatch.temperature", "sampling temperature", d, type=float)
     p.set_defaults(fn=cmd_mismatch)
 
-    p = sub.add_parser("sft", help="supervised warm-up; builds the tiny-arith policy",
-                       description="Supervised fine-tuning on a task's worked solutions. Without --model it "
-                                   "builds the built-in tiny policy from scratch (tokenizer + model).")
-    p.add_argument("--config", dest="flat_config", help="TOML file whose keys are this command's flag names "
-                   "(steps = 230, early_answer_noise = 0.4, ...); flags win")
-    p.add_argument("--task", default="arith", help="task spec (default arith)")
-    p.add_argument("--model", help="start from this model instead of a fresh tiny policy")
-    p.add_argument("--out", default="runs/sft", help="output HF folder (default runs/sft)")
-    p.add_argument("--steps", type=int, default=SFT_DEFAULTS["steps"], help="optimizer steps")
-    p.add_argument("--batch-size", type=int, default=SFT_DEFAULTS["batch_size"], help="sequences per step")
-    p.add_argument("--lr", type=float, default=SFT_DEFAULTS["lr"], help="peak learning rate")
-    p.add_argument("--seed", type=int, default=0, help="random seed")
-    p.add_argument("--early-answer-noise", type=float, default=0.0, metavar="P",
-                   help="share of training solutions whose final line gives the first step's result (a bad "
-                        "habit for RL to fix; the built-in tiny-arith policy uses 0.4)")
-    p.add_argument("--eval-n", type=int, default=500, help="held-out problems to evaluate at the end")
-    p.add_argument("--max-new-tokens", type=int, default=48, help="generation budget for the evaluation")
-    p.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    p, d = command("sft", help="supervised warm-up; builds the tiny-arith policy",
+                   description="Supervised fine-tuning on a task's worked solutions. Without a model (no --model, "
+                               "no `model` in the config) it builds the built-in tiny policy from scratch "
+                               "(tokenizer + model).")
+    _add_common(p, ("model", "task", "seed", "out"), d,
+                model="start from this model instead of a fresh tiny policy", out="output HF folder")
+    _config_flag(p, "--steps", "sft.steps", "optimizer steps", d, type=int)
+    _config_flag(p, "--batch-size", "sft.batch_size", "sequences per step", d, type=int)
+    _config_flag(p, "--lr", "sft.lr", "peak learning rate", d, type=float)
+    _config_flag(p, "--early-answer-noise", "sft.early_answer_noise",
+                 "share of training solutions whose final line gives the first step's result (a bad habit "
+                 "for RL to fix; the built-in tiny-arith policy uses 0.4)", d, type=float, metavar="P")
+    _config_flag(p, "--eval-n", "sft.eval_n", "held-out problems to evaluate at the end", d, type=int)
+    _config_flag(p, "--max-new-tokens", "sft.max_new_tokens", "generation budget for the evaluation", d, type=int)
     p.set_defaults(fn=cmd_sft)
 
-    p = sub.add_parser("compare", help="run several precision flows side by side and write a report",
-                       description="Train each flow from the same policy, data and seeds; write report.md, "
-                                   "report.json and plots into --out (default runs/compare).")
-    _add_common(p, "runs/compare")
-    p.add_argument("--flows", default="bf16,fp8-rollout,jet,jet-e2e,jet-kv,fp8-grads",
-                   help="comma-separated presets (fp8-rollout runs with and without tis)")
-    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
-    p.add_argument("--steps", type=int, help="RL steps per run (train.steps)")
+    p, d = command("compare", help="run several precision flows side by side and write a report",
+                   description="Train each flow from the same policy, data and seeds; write report.md, "
+                               "report.json and plots into --out.")
+    _add_common(p, run_keys, d)
+    _config_flag(p, "--flows", "compare.flows", "comma-separated presets (fp8-rollout runs with and without tis)",
+                 d, type=_names)
+    _config_flag(p, "--seeds", "compare.seeds", "comma-separated seeds", d, type=_ints)
+    _config_flag(p, "--steps", "train.steps", "RL steps per run", d, type=int)
     p.set_defaults(fn=cmd_compare)
 
-    p = sub.add_parser("bench", help="rollout tokens/s and memory per precision flow",
-                       description="Time the rollout engine under each flow on one model (EOS disabled, same "
-                                   "prompts and batch); print tokens/s, weight and KV-cache bytes. "
-                                   "benchmarks/ holds the comparisons against other tools.")
-    p.add_argument("--model", default="tiny-arith", help="built-in name, HF folder or .gguf file")
-    p.add_argument("--flows", default="bf16,jet,jet-kv", help="comma-separated presets")
-    p.add_argument("--batch", type=int, default=32, help="sequences per rollout (default 32)")
-    p.add_argument("--max-new-tokens", type=int, default=48, help="tokens per sequence (default 48)")
-    p.add_argument("--backend", default="auto", help="GEMM backend: auto, reference, cpu, amx")
-    p.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    p, d = command("bench", help="rollout tokens/s and memory per precision flow",
+                   description="Time the rollout engine under each flow on one model (EOS disabled, same "
+                               "prompts and batch); print tokens/s, weight and KV-cache bytes. "
+                               "benchmarks/ holds the comparisons against other tools.")
+    _add_common(p, ("model", "backend"), d)
+    _config_flag(p, "--flows", "bench.flows", "comma-separated presets", d, type=_names)
+    _config_flag(p, "--batch", "bench.batch", "sequences per rollout", d, type=int)
+    _config_flag(p, "--max-new-tokens", "bench.max_new_tokens", "tokens per sequence", d, type=int)
     p.set_defaults(fn=cmd_bench)
 
-    p = sub.add_parser("export", help="write an HF folder or a block-FP8 checkpoint",
-                       description="Export a model as a plain HF folder or as the block-FP8 layout vLLM/SGLang load.")
-    p.add_argument("--config", dest="flat_config", help="TOML file whose keys are this command's flag names "
-                   "(model = ..., out = ..., format = \"fp8-block\"); flags win")
-    p.add_argument("--model", help="built-in name, HF folder or .gguf file (required)")
-    p.add_argument("--out", help="output folder (required)")
-    p.add_argument("--format", choices=("hf", "fp8-block"), default="hf", help="output layout (default hf)")
-    p.add_argument("--scale-fmt", choices=("fp32", "ue8m0"), default="fp32", help="fp8-block scale format")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="hf format: tensor dtype (default float32, an exact copy)")
+    p, d = command("export", help="write an HF folder or a block-FP8 checkpoint",
+                   description="Export a model as a plain HF folder or as the block-FP8 layout vLLM/SGLang load.")
+    _add_common(p, ("model", "out"), d, model=TOP_FLAGS["model"]["help"] + "; required",
+                out="output folder; required")
+    _config_flag(p, "--format", "export.format", "output layout", d)
+    _config_flag(p, "--scale-fmt", "export.scale_fmt", "fp8-block scale format", d)
+    _config_flag(p, "--dtype", "export.dtype", "hf format: tensor dtype (float32 is an exact copy)", d)
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
-    p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     p.set_defaults(fn=cmd_export)
     return parser
-
-
-def _sft_defaults() -> dict[str, Any]:
-    from dataclasses import asdict
-
-    from fp8rl.sft import SFTConfig
-
-    return asdict(SFTConfig())
-
-
-SFT_DEFAULTS = _sft_defaults()
-
-
-def _flat_toml_config(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
-    """sft and export read a flat TOML file of their flag names (`steps = 300`,
-    `early_answer_noise = 0.4`, `format = "fp8-block"`); flags on the command line win."""
-    from fp8rl.config import read_toml
-
-    args = parser.parse_args(argv)
-    if getattr(args, "flat_config", None) is None:
-        return args
-    path = Path(args.flat_config)
-    data = read_toml(path)
-    sub = parser.subcommands[args.command]
-    known = {a.dest for a in sub._actions} - {"help", "flat_config", "json"}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ValueError(f"unknown config key {unknown[0]} in {path}; valid keys: {', '.join(sorted(known))}")
-    sub.set_defaults(**data)
-    return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     from fp8rl.train import TrainingError
 
-    parser = build_parser()
+    args = build_parser().parse_args(argv)
     try:
-        args = _flat_toml_config(parser, argv)
         return args.fn(args)
     except (ValueError, FileNotFoundError, FileExistsError, TrainingError) as e:
         # user-caused errors (bad config, data, paths): one clear line, no traceback

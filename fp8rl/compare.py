@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from fp8rl.config import RunConfig
-from fp8rl.logging import read_metrics
+from fp8rl.runlog import read_metrics
 
 
 @dataclass(frozen=True)
@@ -42,15 +42,15 @@ def variants(flows: list[str], base_correction: str) -> list[Variant]:
 
 def weight_bytes(model: torch.nn.Module, rollout_fp8: bool) -> int:
     """Bytes of the weights the rollout engine reads: FP8 data + scales for
-    converted linears when the rollout runs them in FP8, BF16 for everything else."""
-    from fp8rl.fp8 import FP8Linear, quantize
+    converted linears when the rollout runs them in FP8, BF16 for everything else.
+    `model` must be under its flow (apply_flow quantized the weights)."""
+    from fp8rl.fp8 import FP8Linear
 
     total = 0
     seen: set[int] = set()
     for module in model.modules():
         if isinstance(module, FP8Linear) and rollout_fp8:
-            q = quantize(module.weight.detach(), block=(128, 128))
-            total += q.data.numel() * q.data.element_size() + q.scale.numel() * q.scale.element_size()
+            total += module.qweight.nbytes  # FP8 data + scales, as the rollout reads them
             seen.add(id(module.weight))
             if module.bias is not None:
                 total += module.bias.numel() * 2
@@ -88,11 +88,10 @@ def run_compare(
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     from fp8rl.model import load
-    from fp8rl.model.transformer import apply_flow
     from fp8rl.plots import plot_compare
-    from fp8rl.precision import PRESETS
+    from fp8rl.precision import PRESETS, apply_flow
     from fp8rl.rollout.engine import default_cache_len
-    from fp8rl.train import Trainer, resolve_backend
+    from fp8rl.train import Trainer
 
     report_dir = Path(report_dir)
     report_dir.mkdir(parents=True, exist_ok=True)
@@ -119,7 +118,7 @@ def run_compare(
         acc0 = [r["summary"]["eval_accuracy_before"] for r in res["runs"]]
         tmpe = [x["token_mult_prob_error"] for run in m for x in run]
         fresh, _ = load(base.model)
-        apply_flow(fresh, flow, backend=resolve_backend(base.backend, fresh))
+        apply_flow(fresh, flow, backend=base.backend)
         row = {
             "label": label,
             "flow": flow.name,

@@ -1,10 +1,14 @@
 """Run configuration: frozen dataclasses, read from TOML, one source of truth.
 
 A config file has top-level keys (`seed`, `task`, `flow`, `out`, `model`, ...)
-and one table per section (`[rollout]`, `[train]`, `[eval]`, `[checkpoint]`,
-`[calibration]`). Every key is optional; unknown keys are errors that name
-them. The resolved config is printed at start and saved as `config.json` in
-the run directory and beside every checkpoint.
+and one table per section: the training run's (`[rollout]`, `[train]`,
+`[eval]`, `[checkpoint]`, `[calibration]`) and one per other command
+(`[mismatch]`, `[sft]`, `[export]`, `[bench]`, `[compare]`). Every command
+reads the same file, with one precedence: dataclass defaults < the command's
+own defaults < the TOML file < `--set KEY=VALUE` < flags. Every key is
+optional; unknown keys are errors that name them. The resolved config is
+printed at start and saved as `config.json` in the run directory and beside
+every checkpoint.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -69,9 +74,75 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
-class CalibrationSection:
+class CalibrationConfig:
+    """Static FP8 Q/K/V scales: percentile of the per-token amax, times margin, / 448."""
+
     percentile: float = 99.9
     margin: float = 1.05
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.percentile <= 100.0:
+            raise ValueError(f"calibration percentile must be in (0, 100], got {self.percentile}")
+        if self.margin <= 0:
+            raise ValueError(f"calibration margin must be > 0, got {self.margin}")
+
+
+@dataclass(frozen=True)
+class MismatchConfig:
+    prompts: int = 16  # held-out problems
+    samples: int = 4  # samples per problem
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    """`fp8rl sft`; its seed is the top-level `seed`."""
+
+    steps: int = 230
+    batch_size: int = 64
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    weight_decay: float = 0.01
+    # Share of training solutions whose final line answers with the first step's
+    # result instead of the last one ("stopping early"): a bad habit, learned on
+    # purpose by the built-in tiny policy so that RL has something clear to fix.
+    early_answer_noise: float = 0.0
+    eval_n: int = 500  # held-out problems evaluated at the end
+    max_new_tokens: int = 48  # generation budget of that evaluation
+    # tiny-policy architecture (used only when building from scratch)
+    vocab_size: int = 384
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    max_position_embeddings: int = 256
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    format: str = "hf"  # "hf" | "fp8-block"
+    scale_fmt: str = "fp32"  # fp8-block scales: "fp32" | "ue8m0"
+    dtype: str = "float32"  # hf tensors: "float32" (an exact copy) | "bfloat16"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    flows: tuple[str, ...] = ("bf16", "jet", "jet-kv")
+    batch: int = 32  # sequences per rollout
+    max_new_tokens: int = 48  # tokens per sequence
+
+
+@dataclass(frozen=True)
+class CompareConfig:
+    flows: tuple[str, ...] = ("bf16", "fp8-rollout", "jet", "jet-e2e", "jet-kv", "fp8-grads")  # every preset
+    seeds: tuple[int, ...] = (0, 1, 2)
+
+
+# Sections that configure one command other than `train`; they never change a
+# training run (a run directory's identity is the rest of its config).
+COMMAND_SECTIONS: tuple[str, ...] = ("mismatch", "sft", "export", "bench", "compare")
 
 
 @dataclass(frozen=True)
@@ -79,7 +150,7 @@ class RunConfig:
     model: str = "tiny-arith"  # built-in name, HF folder or .gguf file
     task: str = "arith"  # "arith", "gsm8k:PATH", "reasoning-gym:NAME"
     flow: str = "jet"  # a preset of fp8rl.precision.PRESETS
-    backend: str = "auto"  # GEMM backend: "auto", "reference" (exact), "cpu" (FP32 emulation), "amx" (native BF16)
+    backend: str = "auto"  # GEMM backend: "auto" or a name from fp8rl.fp8.backends.BACKENDS
     seed: int = 0
     out: str = "runs/default"
     system_prompt: str = ""  # chat models only
@@ -87,7 +158,12 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    calibration: CalibrationSection = field(default_factory=CalibrationSection)
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    mismatch: MismatchConfig = field(default_factory=MismatchConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
+    compare: CompareConfig = field(default_factory=CompareConfig)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -100,24 +176,41 @@ class RunConfig:
         return from_dict(_merge(self.to_dict(), _nest(overrides)))
 
 
-_CHOICES = {
+# Keys with a fixed set of values (the CLI gives these to argparse as `choices`).
+# `backend` is checked against the backend registry instead, in `validate`.
+CHOICES: dict[str, tuple[str, ...]] = {
     "train.lr_schedule": ("constant", "cosine"),
     "train.correction": ("none", "tis", "icepop", "seq-mask-tis"),
-    "backend": ("auto", "reference", "cpu", "amx"),
+    "export.format": ("hf", "fp8-block"),
+    "export.scale_fmt": ("fp32", "ue8m0"),
+    "export.dtype": ("float32", "bfloat16"),
 }
 
 
 def validate(cfg: RunConfig) -> None:
+    from fp8rl.fp8.backends import BACKENDS  # lazily: the registry imports torch
     from fp8rl.precision import PRESETS
 
     if cfg.flow not in PRESETS:
         raise ValueError(f"unknown flow {cfg.flow!r}; valid presets: {', '.join(PRESETS)}")
-    for key, allowed in _CHOICES.items():
+    for key in ("bench.flows", "compare.flows"):
+        flows = _get(cfg, key)
+        if not flows:
+            raise ValueError(f"config key {key} (--flows) names no flow; valid presets: {', '.join(PRESETS)}")
+        unknown = [f for f in flows if f not in PRESETS]
+        if unknown:
+            raise ValueError(f"unknown flow {unknown[0]!r} in {key} (--flows); valid presets: {', '.join(PRESETS)}")
+    if not cfg.compare.seeds:
+        raise ValueError("config key compare.seeds (--seeds) names no seed")
+    backends = ("auto", *BACKENDS)
+    for key, allowed in (*CHOICES.items(), ("backend", backends)):
         value = _get(cfg, key)
         if value not in allowed:
             raise ValueError(f"config key {key} = {value!r} is not one of {', '.join(allowed)}")
     positive = ("rollout.prompts_per_step", "rollout.group_size", "rollout.max_new_tokens",
-                "train.micro_batches", "eval.batch_size", "eval.max_new_tokens")
+                "train.micro_batches", "eval.batch_size", "eval.max_new_tokens",
+                "mismatch.prompts", "mismatch.samples", "mismatch.max_new_tokens",
+                "sft.steps", "sft.batch_size", "sft.max_new_tokens", "bench.batch", "bench.max_new_tokens")
     for key in positive:
         if _get(cfg, key) < 1:
             raise ValueError(f"config key {key} must be >= 1, got {_get(cfg, key)}")
@@ -157,7 +250,10 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 def _build(cls: type, data: dict[str, Any], where: str) -> Any:
     known = {f.name: f for f in fields(cls)}
+    hints = typing.get_type_hints(cls)
     unknown = sorted(set(data) - set(known))
+    if unknown and not where:
+        _suggest_section(unknown[0])
     if unknown:
         prefix = f"{where}." if where else ""
         raise ValueError(
@@ -174,16 +270,32 @@ def _build(cls: type, data: dict[str, Any], where: str) -> Any:
                 raise ValueError(f"config key {key} must be a table, got {value!r}")
             kwargs[name] = _build(type(default), value, key)
         else:
-            kwargs[name] = _coerce(key, value, default)
+            kwargs[name] = _coerce(key, value, default, hints[name])
     return cls(**kwargs)
 
 
-def _coerce(key: str, value: Any, default: Any) -> Any:
-    """Check a value against its default's type (ints are accepted for floats)."""
+def _suggest_section(key: str) -> None:
+    """A top-level key that is a section's key (the old flat sft/export files had
+    `steps = 300`, `format = "fp8-block"`): say where it lives now."""
+    homes = [f.name for f in fields(RunConfig)
+             if f.default_factory is not dataclasses.MISSING and key in {g.name for g in fields(f.default_factory)}]
+    if homes:
+        where = " or ".join(f"{s}.{key} ([{s}] section)" for s in homes)
+        raise ValueError(f"unknown config key {key}; did you mean {where}?")
+
+
+def _coerce(key: str, value: Any, default: Any, hint: Any = None) -> Any:
+    """Check a value against its default's type (ints are accepted for floats);
+    `tuple[X, ...]` fields take a list of any length."""
     if isinstance(default, bool):
         if not isinstance(value, bool):
             raise ValueError(f"config key {key} must be true or false, got {value!r}")
         return value
+    args = typing.get_args(hint)
+    if isinstance(default, tuple) and len(args) == 2 and args[1] is Ellipsis:
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"config key {key} must be a list, got {value!r}")
+        return tuple(_coerce(key, v, args[0]()) for v in value)  # args[0]() is a default of the element type
     if isinstance(default, tuple):
         if not isinstance(value, (list, tuple)) or len(value) != len(default):
             raise ValueError(f"config key {key} must be a list of {len(default)} numbers, got {value!r}")
@@ -216,10 +328,29 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"{p}: invalid TOML: {e}") from e
 
 
-def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> RunConfig:
-    """Defaults, then the TOML file (if any), then dotted-key overrides."""
-    cfg = from_dict(read_toml(path) if path is not None else {})
-    return cfg.replace(**overrides) if overrides else cfg
+def load_config(
+    path: str | Path | None,
+    overrides: dict[str, Any] | None = None,
+    defaults: dict[str, Any] | None = None,
+) -> RunConfig:
+    """Dataclass defaults < `defaults` (a command's own, dotted keys) < the TOML
+    file (if any) < `overrides` (dotted keys). Validated once, as a whole."""
+    data = _nest(defaults or {})
+    if path is not None:
+        data = _merge(data, read_toml(path))
+    return from_dict(_merge(data, _nest(overrides or {})))
+
+
+def default_values() -> dict[str, Any]:
+    """Every config key (dotted) with its dataclass default, without building
+    (and so validating, which imports torch) a RunConfig: for flag help texts."""
+    out: dict[str, Any] = {}
+    for f in fields(RunConfig):
+        if f.default_factory is dataclasses.MISSING:
+            out[f.name] = f.default
+        else:
+            out.update({f"{f.name}.{k}": v for k, v in dataclasses.asdict(f.default_factory()).items()})
+    return out
 
 
 def parse_override(text: str) -> tuple[str, Any]:

@@ -7,7 +7,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from fp8rl.prompts import encode_prompts
-from fp8rl.rollout.engine import SamplingParams, generate
+from fp8rl.config import CalibrationConfig
+from fp8rl.rollout.engine import SamplingParams, generate, sample_seed
 from fp8rl.tasks import Problem
 from fp8rl.tasks.rewards import batch_rewards
 
@@ -38,7 +39,7 @@ def evaluate(
         out = generate(
             model, prompts, params,
             eos_ids=tokenizer.eos_token_ids, pad_id=tokenizer.pad_token_id,
-            seeds=[seed * 1_000_003 + start + i for i in range(len(chunk))],
+            seeds=[sample_seed(seed, 0, start + i) for i in range(len(chunk))],
         )
         texts = [tokenizer.decode(ids) for ids in out.completion_ids]
         rewards += batch_rewards(texts, [p.answer for p in chunk])
@@ -66,26 +67,27 @@ def measure_mismatch(
     temperature: float = 1.0,
     seed: int = 0,
     system_prompt: str = "",
-    calibration: Any = None,
+    calibration: CalibrationConfig = CalibrationConfig(),
 ) -> dict[str, Any]:
     """Sample with the rollout engine, re-score the same tokens with the training
     forward, and compare: the section-6 mismatch metrics plus `n_tokens` and the
     sequence-level ones of `sequence_mismatch`.
-    `model` must already be under its precision flow (apply_flow)."""
+    `model` must already be under its precision flow (apply_flow); FP8 Q/K/V
+    scales are calibrated here on the prompts, as the trainer does at step 0."""
     from fp8rl.rl.metrics import mismatch_metrics, sequence_mismatch
-    from fp8rl.rollout.calibrate import CalibrationConfig, calibrate
+    from fp8rl.rollout.calibrate import calibrate
     from fp8rl.rollout.engine import left_pad, score
 
     prompts = encode_prompts(tokenizer, [p.question for p in problems], system_prompt)
     prompts = [p for p in prompts for _ in range(samples)]
-    flow = getattr(model, "flow", None)
-    if flow is not None and (flow.kv_cache == "fp8" or flow.attention == "fp8"):
+    plan = getattr(model, "flow_plan", None)
+    if plan is not None and plan.flow.needs_calibration:
         tokens, pad_left = left_pad(prompts, tokenizer.pad_token_id)
-        calibrate(model, tokens, pad_left, cfg=calibration or CalibrationConfig())
+        calibrate(model, tokens, pad_left, cfg=calibration)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
     out = generate(
         model, prompts, params, eos_ids=tokenizer.eos_token_ids, pad_id=tokenizer.pad_token_id,
-        seeds=[seed * 1_000_003 + i for i in range(len(prompts))],
+        seeds=[sample_seed(seed, 0, i) for i in range(len(prompts))],
     )
     with torch.no_grad():
         logp_train, _ = score(model, out, params.logprob_temperature)

@@ -15,7 +15,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from fp8rl.logging import EVAL_FILE, METRICS_FILE, read_metrics
+from fp8rl.runlog import EVAL_FILE, METRICS_FILE, read_metrics
 
 Records = Sequence[Mapping[str, Any]]  # one run: metrics.jsonl records, each with "step"
 

@@ -1,4 +1,4 @@
-"""Precision flows: which GEMMs and tensors run in FP8 (DESIGN.md section 4).
+"""Precision flows: which GEMMs and tensors run in FP8 (docs/design.md section 4).
 
 A ``PrecisionFlow`` names the precision of every place where the rollout and
 the training step could quantize. The six presets reproduce the published
@@ -12,10 +12,16 @@ recipes side by side:
     jet-kv       fp8      fp8    fp8          bf16               fp8
     fp8-grads    fp8      fp8    fp8          fp8                bf16
 
-``convert_linears`` puts an ``FP8Linear`` in place of every ``nn.Linear`` of a
-model (every flow, ``bf16`` included, goes through that one code path);
-``set_phase`` / ``phase`` switch the layers between rollout and training
-precision; ``refresh_weights`` requantizes the weights once per optimizer step.
+A flow is resolved once, by ``resolve_plan``, into a ``FlowPlan``: per phase
+("rollout", "train") the ``LinearPlan`` of every converted linear (each GEMM's
+precision, the gradient transport, the scale format, the backend, the weight
+forms to keep), the ``AttentionPlan`` (K/V storage, Q/P storage) and the
+``HeadPlan`` of the LM head. ``apply_flow`` puts a model under a flow:
+``convert_linears`` swaps every ``nn.Linear`` for an ``FP8Linear`` (every flow,
+``bf16`` included, goes through that one code path), and the attention and
+head modules get their plans. ``phase`` switches the linears between the
+rollout and the training plan; ``refresh_weights`` requantizes the weights
+once per optimizer step. This is the only place that reads a flow's fields.
 """
 
 from __future__ import annotations
@@ -27,8 +33,11 @@ from typing import Iterator
 
 import torch.nn as nn
 
+from fp8rl.fp8.backends import BACKENDS, Backend, get_backend, resolve_backend
 from fp8rl.fp8.formats import SCALE_FORMATS
-from fp8rl.fp8.linear import PHASES, FP8Linear
+from fp8rl.fp8.linear import FP8Linear, LinearPlan
+
+PHASES: tuple[str, ...] = ("train", "rollout")
 
 PRECISIONS: tuple[str, ...] = ("bf16", "fp8")
 PRECISION_FIELDS: tuple[str, ...] = (
@@ -75,6 +84,12 @@ class PrecisionFlow:
             raise ValueError(f"PrecisionFlow.high_precision must be a sequence of non-empty strings, got {hp!r}")
         object.__setattr__(self, "high_precision", tuple(hp))  # lists from TOML become tuples
 
+    @property
+    def needs_calibration(self) -> bool:
+        """True when Q/K/V are stored in FP8 (FP8 KV cache or FP8 attention), whose
+        static scales are calibrated before the first rollout and after every step."""
+        return self.kv_cache == "fp8" or self.attention == "fp8"
+
     def replace(self, **changes) -> "PrecisionFlow":
         """A copy with ``changes`` applied and validated (the name is kept unless given)."""
         return dataclasses.replace(self, **changes)
@@ -106,17 +121,71 @@ def get_flow(name: str) -> PrecisionFlow:
         raise ValueError(f"unknown precision flow {name!r}; valid presets: {', '.join(PRESETS)}") from None
 
 
-@dataclass
-class ConversionReport:
-    """What ``convert_linears`` did.
+# --- the resolved plan -------------------------------------------------------------------
 
-    converted: qualified names of the nn.Linear modules now FP8Linear, in
-               module order
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Attention numerics of every layer.
+
+    kv: storage of K and V (the KV cache, and the training forward's own K/V):
+        "fp32" (no flow), "bf16" or "fp8" (E4M3 with calibrated per-head scales)
+    qp: storage of Q and of the softmax probabilities P: "fp32", "bf16", or
+        "fp8" (Q with its calibrated scale, P with the fixed scale 1/448)
+    backend: whose attention products run
+    """
+
+    kv: str
+    qp: str
+    backend: Backend
+
+
+@dataclass(frozen=True)
+class HeadPlan:
+    """LM head numerics: precision "fp32" (a plain FP32 linear, no flow) or "bf16"
+    (BF16 operands, the backend's batch-invariant head GEMMs)."""
+
+    precision: str
+    backend: Backend
+
+
+# A model with no flow applied: the full-precision reference.
+FULL_PRECISION_ATTENTION = AttentionPlan("fp32", "fp32", BACKENDS["reference"])
+FULL_PRECISION_HEAD = HeadPlan("fp32", BACKENDS["reference"])
+
+
+@dataclass(frozen=True)
+class FlowPlan:
+    """A flow resolved for one backend, plus what ``apply_flow`` converted.
+
+    linear:    phase ("train" | "rollout") -> the LinearPlan of every converted linear
+    attention: the AttentionPlan of every attention layer
+    head:      the HeadPlan of the LM head
+    converted: qualified names of the nn.Linear modules now FP8Linear, in module order
     skipped:   qualified name -> reason, for the nn.Linear modules left as they are
     """
 
+    flow: PrecisionFlow
+    backend: Backend
+    linear: dict[str, LinearPlan]
+    attention: AttentionPlan
+    head: HeadPlan
     converted: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
+
+
+def resolve_plan(flow: PrecisionFlow, backend: Backend | str) -> FlowPlan:
+    """Resolve ``flow`` on ``backend`` (a Backend or a registry name; "auto"
+    needs a model to choose for: ``convert_linears`` / ``apply_flow`` resolve it)."""
+    b = get_backend(backend)
+    fprop = {"rollout": flow.rollout_linear, "train": flow.train_fprop}
+    forms = frozenset((flow.rollout_linear, flow.train_fprop, flow.train_dgrad))
+    linear = {
+        ph: LinearPlan(fprop[ph], flow.train_dgrad, flow.train_wgrad, flow.grad_transport, flow.scale_fmt, b, forms)
+        for ph in PHASES
+    }
+    attention = AttentionPlan(flow.kv_cache, "fp8" if flow.attention == "fp8" else "bf16", b)
+    return FlowPlan(flow, b, linear, attention, HeadPlan("bf16", b))
 
 
 def _skip_reason(name: str, linear: nn.Linear, flow: PrecisionFlow) -> str | None:
@@ -130,18 +199,23 @@ def _skip_reason(name: str, linear: nn.Linear, flow: PrecisionFlow) -> str | Non
     return None
 
 
-def convert_linears(module: nn.Module, flow: PrecisionFlow, backend: str | None = None) -> ConversionReport:
+def convert_linears(module: nn.Module, flow: PrecisionFlow | str, backend: Backend | str = "auto") -> FlowPlan:
     """Replace, in place, every ``nn.Linear`` inside ``module`` by an ``FP8Linear``
-    sharing its parameters.
+    sharing its parameters, under the training plan of ``flow``; returns the
+    plan with ``converted`` and ``skipped`` filled in, and records it as
+    ``module.flow_plan`` (what ``phase`` reads).
 
     Left alone (reported in ``skipped`` with the reason): layers whose qualified
     name contains one of ``flow.high_precision``, layers with a dimension that
     is not a positive multiple of 16, and subclasses of nn.Linear. Any other
     shape works, partial 128-blocks included (SmolLM2: 576 = 4.5 x 128).
     ``module`` itself is never replaced (a bare nn.Linear has no parent to put
-    the new layer into).
+    the new layer into). ``backend="auto"``: ``choose_backend`` for this module.
     """
-    report = ConversionReport()
+    flow = get_flow(flow) if isinstance(flow, str) else flow
+    plan = resolve_plan(flow, resolve_backend(backend, module))
+    converted: list[str] = []
+    skipped: dict[str, str] = {}
     # Collect first: swapping children while iterating named_modules is unsafe.
     targets = []
     for parent_name, parent in module.named_modules():
@@ -156,11 +230,35 @@ def convert_linears(module: nn.Module, flow: PrecisionFlow, backend: str | None 
             # out_proj, be read as weights by its parent): leave it alone.
             reason = f"{type(linear).__name__} is a subclass of nn.Linear, not nn.Linear"
         if reason is not None:
-            report.skipped[qual] = reason
+            skipped[qual] = reason
             continue
-        setattr(parent, child_name, FP8Linear.from_linear(linear, flow, backend=backend, name=qual))
-        report.converted.append(qual)
-    return report
+        setattr(parent, child_name, FP8Linear.from_linear(linear, plan.linear["train"], name=qual))
+        converted.append(qual)
+    plan = dataclasses.replace(plan, converted=converted, skipped=skipped)
+    module.flow_plan = plan
+    return plan
+
+
+def apply_flow(model: nn.Module, flow: PrecisionFlow | str, backend: Backend | str = "auto") -> FlowPlan:
+    """Put ``model`` under a precision flow, in place, and return the resolved plan.
+
+    ``flow``: a PrecisionFlow or a preset name; ``backend``: "auto"
+    (``choose_backend``), a registry name or a Backend. Linears (except
+    ``flow.high_precision`` ones) become FP8Linear; every submodule with an
+    ``attention_plan`` attribute (the attention layers) gets the flow's
+    AttentionPlan, every one with a ``head_plan`` (the model) its HeadPlan.
+    The weights are quantized here, once.
+    """
+    if getattr(model, "flow_plan", None) is not None:
+        raise ValueError(f"a precision flow ({model.flow_plan.flow.name}) is already applied to this model")
+    plan = convert_linears(model, flow, backend)
+    for m in model.modules():
+        if hasattr(m, "attention_plan"):
+            m.attention_plan = plan.attention
+        if hasattr(m, "head_plan"):
+            m.head_plan = plan.head
+    refresh_weights(model)
+    return plan
 
 
 def fp8_linears(module: nn.Module) -> Iterator[FP8Linear]:
@@ -168,31 +266,24 @@ def fp8_linears(module: nn.Module) -> Iterator[FP8Linear]:
     return (m for m in module.modules() if isinstance(m, FP8Linear))
 
 
-def set_phase(module: nn.Module, phase: str) -> int:
-    """Set ``.phase`` ("train" or "rollout") on every FP8Linear; returns how many."""
-    if phase not in PHASES:
-        raise ValueError(f"phase must be one of {', '.join(map(repr, PHASES))}; got {phase!r}")
-    n = 0
-    for layer in fp8_linears(module):
-        layer.phase = phase
-        n += 1
-    return n
-
-
 @contextlib.contextmanager
 def phase(module: nn.Module, name: str) -> Iterator[nn.Module]:
-    """``with phase(model, "rollout"): ...`` runs the block in that phase and
-    restores every layer's previous phase afterwards (also on error)."""
+    """``with phase(model, "rollout"): ...`` runs the block with every FP8Linear
+    on that phase's plan and restores each layer's previous plan afterwards
+    (also on error). A module with no flow applied runs as it is."""
     if name not in PHASES:
         raise ValueError(f"phase must be one of {', '.join(map(repr, PHASES))}; got {name!r}")
-    previous = [(layer, layer.phase) for layer in fp8_linears(module)]
+    plan: FlowPlan | None = getattr(module, "flow_plan", None)
+    previous = [(layer, layer.plan) for layer in fp8_linears(module)]
+    if plan is None and previous:
+        raise ValueError("this module holds FP8Linear layers but no flow_plan; convert it with apply_flow")
     try:
         for layer, _ in previous:
-            layer.phase = name
+            layer.plan = plan.linear[name]
         yield module
     finally:
         for layer, old in previous:
-            layer.phase = old
+            layer.plan = old
 
 
 def refresh_weights(module: nn.Module) -> int:

@@ -18,41 +18,20 @@ import random
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 
+from fp8rl.config import SFTConfig
 from fp8rl.model.config import ModelConfig
 from fp8rl.model.transformer import Transformer
 from fp8rl.prompts import encode_prompts
 from fp8rl.tasks import Problem, Task
 
 PAD, EOS = "<|pad|>", "<|eos|>"
-
-
-@dataclass(frozen=True)
-class SFTConfig:
-    steps: int = 230
-    batch_size: int = 64
-    lr: float = 3e-3
-    warmup_steps: int = 20
-    weight_decay: float = 0.01
-    seed: int = 0
-    # Share of training solutions whose final line answers with the first step's
-    # result instead of the last one ("stopping early"): a bad habit, learned on
-    # purpose by the built-in tiny policy so that RL has something clear to fix.
-    early_answer_noise: float = 0.0
-    # tiny-policy architecture (used only when building from scratch)
-    vocab_size: int = 384
-    hidden_size: int = 128
-    intermediate_size: int = 384
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    max_position_embeddings: int = 256
 
 
 def train_tokenizer(texts: Iterator[str], vocab_size: int) -> Any:
@@ -132,14 +111,15 @@ def run_sft(
     task: Task,
     cfg: SFTConfig,
     *,
+    seed: int,
     on_step: Callable[[int, float, float], None] | None = None,
     system_prompt: str = "",
 ) -> list[float]:
-    """Train on `task.train_problems(cfg.seed)`; AdamW, linear warm-up then cosine decay.
+    """Train on `task.train_problems(seed)`; AdamW, linear warm-up then cosine decay.
     Returns the per-step losses."""
-    torch.manual_seed(cfg.seed)
-    stream = task.train_problems(cfg.seed)
-    noise_rng = random.Random(cfg.seed + 7)
+    torch.manual_seed(seed)
+    stream = task.train_problems(seed)
+    noise_rng = random.Random(seed + 7)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
     losses = []
@@ -167,11 +147,11 @@ def run_sft(
     return losses
 
 
-def build_tiny_policy(task: Task, cfg: SFTConfig) -> tuple[Transformer, Any]:
+def build_tiny_policy(task: Task, cfg: SFTConfig, *, seed: int) -> tuple[Transformer, Any]:
     """A fresh tokenizer (trained on 20k task texts) and a randomly initialised tiny model."""
-    texts = (f"{p.question}\n{p.solution}" for p in itertools.islice(task.train_problems(cfg.seed + 1), 20000))
+    texts = (f"{p.question}\n{p.solution}" for p in itertools.islice(task.train_problems(seed + 1), 20000))
     tokenizer = train_tokenizer(texts, cfg.vocab_size)
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(seed)
     model = Transformer(tiny_model_config(cfg, tokenizer))
     with torch.no_grad():  # GPT-2 style init: small normal weights, scaled residual projections
         for name, p in model.named_parameters():
@@ -196,10 +176,12 @@ def save_policy(model: Transformer, tokenizer: Any, out_dir: Path, info: dict[st
     shutil.rmtree(tmp)
 
 
-def sft_info(cfg: SFTConfig, task: Task, losses: list[float], evals: dict[str, Any], seconds: float, command: str) -> dict[str, Any]:
+def sft_info(
+    cfg: SFTConfig, seed: int, task: Task, losses: list[float], evals: dict[str, Any], seconds: float, command: str
+) -> dict[str, Any]:
     return {
         "command": command,
-        "sft_config": asdict(cfg),
+        "sft_config": {**asdict(cfg), "seed": seed},
         "task": task.describe(),
         "final_loss": losses[-1] if losses else None,
         "eval": {k: v for k, v in evals.items() if k != "samples"},

@@ -1,16 +1,19 @@
 """The GRPO trainer with the unified precision flow.
 
-One step, data flowing one way:
+One step (`Trainer.train_step`), data flowing one way, one method per stage:
 
-    problems -> rollout (FP8Linear phase "rollout", weights quantized once)
-             -> rewards -> group advantages
-             -> behaviour log-probs: the training forward on the same tokens
-                (same quantized weights, same KV scales), no grad
-             -> mismatch metrics and importance weights vs the rollout log-probs
-             -> `micro_batches` optimizer steps, each: training forward,
-                PPO loss, backward, clip, AdamW on FP32 master weights,
-                quantize the weights once
-             -> sync: recalibrate the Q/K/V FP8 scales (FP8 KV / attention flows)
+    _rollout    problems -> sampled completions (the flow's rollout plan,
+                weights quantized once per optimizer step)
+    _reward     completions -> task rewards, final-answer correctness,
+                group advantages
+    _score      behaviour log-probs: the training forward on the same tokens
+                (same quantized weights, same KV scales); the KL reference's
+    _correct    mismatch metrics and importance weights vs the rollout log-probs
+    _optimize   `micro_batches` optimizer steps, each: training forward, PPO
+                loss, backward, clip, AdamW on FP32 master weights, quantize
+                the weights once
+    _calibrate  recalibrate the Q/K/V FP8 scales (FP8 KV / attention flows)
+    _metrics    the step's metrics line (docs/design.md section 6)
 
 Everything random is derived from (seed, step, row): a run resumed from a
 checkpoint repeats an uninterrupted run number for number.
@@ -32,40 +35,24 @@ from typing import Any, Callable
 import torch
 
 from fp8rl.checkpoint import checkpoint_path, latest_checkpoint, load_checkpoint, save_checkpoint
-from fp8rl.config import RunConfig, save_config
+from fp8rl.config import COMMAND_SECTIONS, RunConfig, save_config
 from fp8rl.evaluate import evaluate
 from fp8rl.fp8 import NonFiniteError
-from fp8rl.fp8.gemm import native_bf16_available
-from fp8rl.logging import RunLogger, read_metrics, write_summary
-from fp8rl.model.transformer import Transformer, apply_flow
-from fp8rl.precision import PRESETS, refresh_weights
+from fp8rl.runlog import RunLogger, read_metrics, write_summary
+from fp8rl.model.transformer import Transformer
+from fp8rl.precision import apply_flow, refresh_weights
 from fp8rl.prompts import encode_prompts
 from fp8rl.rl.correction import importance_weights
 from fp8rl.rl.grpo import group_advantages, masked_mean, policy_loss
 from fp8rl.rl.metrics import METRIC_NAMES, mismatch_metrics
-from fp8rl.rollout.calibrate import CalibrationConfig, calibrate
-from fp8rl.rollout.engine import Rollout, SamplingParams, generate, left_pad, score
+from fp8rl.rollout.calibrate import calibrate
+from fp8rl.rollout.engine import Rollout, SamplingParams, generate, left_pad, sample_seed, score
 from fp8rl.tasks import Problem, Task, make_task
 from fp8rl.tasks.rewards import batch_rewards
 
 
 class TrainingError(RuntimeError):
     pass
-
-
-def resolve_backend(backend: str, model: Transformer) -> str | None:
-    """'auto': the exact reference GEMMs for small models on CPU (cheap, and rollout
-    and training then agree bit for bit by construction); for larger ones the
-    native BF16 backend ("amx") where the CPU has BF16 matrix instructions, the
-    FP32-emulating "cpu" backend elsewhere."""
-    if backend != "auto":
-        return backend
-    if model.device.type != "cpu":
-        return None
-    n_params = sum(p.numel() for p in model.parameters())
-    if n_params <= 5_000_000:
-        return "reference"
-    return "amx" if native_bf16_available() else "cpu"
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -85,15 +72,33 @@ def lr_at(cfg: RunConfig, step: int) -> float:
     return t.lr
 
 
-def sample_seed(seed: int, step: int, row: int) -> int:
-    """A distinct, reproducible sampling seed for every (run seed, step, row)."""
-    return (seed * 1_000_003 + step) * 100_003 + row
-
-
 @dataclass
 class StepResult:
     metrics: dict[str, float]
     rollout: Rollout
+
+
+@dataclass
+class Scored:
+    """`_score`'s output, [B, S] each: the behaviour log-probs `old_logp`; with one
+    micro-batch also the training forward's own `logp` (carries the graph) and
+    `entropy`, reused by `_optimize`; the KL reference's `ref_logp` if any."""
+
+    old_logp: torch.Tensor
+    logp: torch.Tensor | None
+    entropy: torch.Tensor | None
+    ref_logp: torch.Tensor | None
+
+
+@dataclass
+class Optimized:
+    """`_optimize`'s per-micro-batch numbers, averaged into the step's metrics."""
+
+    lr: float
+    losses: list[float]
+    grad_norms: list[float]
+    clip_fracs: list[float]
+    entropies: list[float]
 
 
 class Trainer:
@@ -119,26 +124,29 @@ class Trainer:
         if tokenizer is None:
             raise ValueError(f"model {cfg.model!r} has no tokenizer; RL needs one to read answers")
         self.tokenizer = tokenizer
-        self.flow = PRESETS[cfg.flow]
-        self.backend = resolve_backend(cfg.backend, model)
         self.model = model
-        self.ref_model = self._frozen_copy(model) if cfg.train.kl_coef > 0 else None
-        self.converted = apply_flow(model, self.flow, backend=self.backend)
-        refresh_weights(model)
+        self.plan = apply_flow(model, cfg.flow, backend=cfg.backend)
+        self.flow = self.plan.flow
+        self.backend = self.plan.backend.name
+        r = cfg.rollout
+        self.sampling = SamplingParams(
+            max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k
+        )
         self.params = [p for p in model.parameters() if p.requires_grad]
         t = cfg.train
         self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
         self.task: Task = make_task(cfg.task)
         self.test_problems = self.task.test_problems(cfg.eval.n) if cfg.eval.n > 0 else []
-        self.calib_cfg = CalibrationConfig(cfg.calibration.percentile, cfg.calibration.margin)
-        self.needs_calibration = self.flow.kv_cache == "fp8" or self.flow.attention == "fp8"
+        if self.flow.needs_calibration:
+            self._initial_calibration()
+        # The KL reference: the initial policy under the same flow, weights and
+        # scales, so its k3 KL to the policy is exactly 0 at step 0.
+        self.ref_model = self._frozen_copy(model) if t.kl_coef > 0 else None
         self.step = 0
         self.bad_steps = 0
         self.skipped_steps = 0
         if resume and latest_checkpoint(self.run_dir) is not None:
             self._resume()
-        elif self.needs_calibration:
-            self._initial_calibration()
         self.stream = self._problem_stream(self.step)
         # only now that model and task loaded: a failed start leaves no stale run behind
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -151,8 +159,10 @@ class Trainer:
         if cfg_path.exists():
             saved = json.loads(cfg_path.read_text())
             mine = json.loads(json.dumps(self.cfg.to_dict()))  # tuples -> lists, as saved
-            # the step budget may grow on resume; everything else must match
-            diff = sorted(k for k in set(saved) | set(mine) if k != "train" and saved.get(k) != mine.get(k))
+            # The step budget may grow on resume; the other commands' sections never
+            # change a run (and runs saved before a section existed lack it).
+            ignored = {"train", *COMMAND_SECTIONS}
+            diff = sorted(k for k in set(saved) | set(mine) if k not in ignored and saved.get(k) != mine.get(k))
             train_diff = sorted(
                 k for k in set(saved.get("train", {})) | set(mine["train"])
                 if k != "steps" and saved.get("train", {}).get(k) != mine["train"].get(k)
@@ -186,11 +196,13 @@ class Trainer:
         return itertools.islice(stream, skip, None)
 
     def _initial_calibration(self) -> None:
-        """First Q/K/V scales, from the prompts of step 0 (no completions exist yet)."""
+        """First Q/K/V scales, from the prompts of step 0 (no completions exist yet).
+        Also on resume: the KL reference model copies them; the policy's own are
+        then replaced by the checkpoint's."""
         first = list(itertools.islice(self.task.train_problems(self.cfg.seed), self.cfg.rollout.prompts_per_step))
         prompts = encode_prompts(self.tokenizer, [p.question for p in first], self.cfg.system_prompt)
         tokens, pad_left = left_pad(prompts, self.tokenizer.pad_token_id)
-        calibrate(self.model, tokens, pad_left, cfg=self.calib_cfg)
+        calibrate(self.model, tokens, pad_left, cfg=self.cfg.calibration)
 
     def _attention_scales(self) -> dict[str, list[float]]:
         out: dict[str, list[float]] = {}
@@ -228,135 +240,163 @@ class Trainer:
             checkpoint_path(self.run_dir, self.step),
             model_state=self.model.state_dict(),
             optimizer=self.optimizer,
-            rng_state={},
             meta=meta,
             keep_last=self.cfg.checkpoint.keep_last,
         )
         save_config(self.cfg, path / "config.json")
         return path
 
-    # -- one step ----------------------------------------------------------------------
-
-    def rollout(self, problems: list[Problem]) -> tuple[Rollout, torch.Tensor, torch.Tensor]:
-        """Sample `group_size` completions per problem; returns the rollout, the task
-        rewards [B] and final-answer correctness [B] (they differ when the task's
-        reward also checks the worked steps)."""
-        G = self.cfg.rollout.group_size
-        r = self.cfg.rollout
-        prompts = encode_prompts(self.tokenizer, [p.question for p in problems], self.cfg.system_prompt)
-        prompts = [p for p in prompts for _ in range(G)]
-        targets = [p for p in problems for _ in range(G)]
-        params = SamplingParams(
-            max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k
-        )
-        out = generate(
-            self.model, prompts, params,
-            eos_ids=self.tokenizer.eos_token_ids, pad_id=self.tokenizer.pad_token_id,
-            seeds=[sample_seed(self.cfg.seed, self.step, i) for i in range(len(prompts))],
-        )
-        texts = [self.tokenizer.decode(ids) for ids in out.completion_ids]
-        rewards = torch.tensor([self.task.reward(t, p) for t, p in zip(texts, targets)], dtype=torch.float32)
-        correct = torch.tensor(batch_rewards(texts, [p.answer for p in targets]), dtype=torch.float32)
-        return out, rewards, correct
+    # -- one step, in data-flow order ---------------------------------------------------
 
     def train_step(self) -> StepResult:
-        cfg, t = self.cfg, self.cfg.train
-        temp = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         t_start = time.perf_counter()
-        problems = list(itertools.islice(self.stream, cfg.rollout.prompts_per_step))
-
-        out, rewards, correct = self.rollout(problems)
+        problems = list(itertools.islice(self.stream, self.cfg.rollout.prompts_per_step))
+        out = self._rollout(problems)
+        rewards, correct, adv = self._reward(out, problems)
         t_rollout = time.perf_counter() - t_start
 
         t0 = time.perf_counter()
-        adv = group_advantages(rewards, cfg.rollout.group_size, t.normalize_std)
-        mask = out.completion_mask
-        # With one micro-batch the training forward runs on the weights that
-        # sampled, so its log-probs (detached) are the old ones: no extra forward.
-        first_logp = first_ent = None
-        with torch.no_grad():
-            ref_logp = score(self.ref_model, out, temp)[0] if self.ref_model is not None else None
-        if t.micro_batches == 1:
-            first_logp, first_ent = score(self.model, out, temp, with_entropy=True)
-            old_logp = first_logp.detach()
-        else:
-            with torch.no_grad():
-                old_logp, _ = score(self.model, out, temp)
-        mismatch = mismatch_metrics(old_logp, out.logprobs, mask)
-        weights, is_stats = importance_weights(
-            old_logp, out.logprobs, mask, t.correction, cap=t.is_cap, lo=t.is_lo, hi=t.is_hi
-        )
-
-        lr = lr_at(cfg, self.step)
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
-        B = out.tokens.shape[0]
-        mb = B // t.micro_batches
-        losses, grad_norms, clip_fracs, entropies = [], [], [], []
-        for i in range(t.micro_batches):
-            rows = torch.arange(i * mb, (i + 1) * mb)
-            sub = out.select(rows)
-            if first_logp is not None:
-                logp, ent = first_logp, first_ent
-            else:
-                logp, ent = score(self.model, sub, temp, with_entropy=True)
-            loss, stats = policy_loss(
-                logp, old_logp[rows], adv[rows], sub.completion_mask,
-                eps_low=t.eps_low, eps_high=t.eps_high, is_weights=weights[rows],
-                ref_logp=ref_logp[rows] if ref_logp is not None else None, kl_coef=t.kl_coef,
-            )
-            self.optimizer.zero_grad(set_to_none=True)
-            try:
-                loss.backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip)
-            except NonFiniteError:  # an FP8 backward GEMM met a NaN/Inf gradient
-                grad_norm = torch.tensor(float("nan"))
-            if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
-                self.bad_steps += 1
-                self.skipped_steps += 1
-                self.optimizer.zero_grad(set_to_none=True)
-                self.log(f"step {self.step}: non-finite loss or gradient, optimizer step skipped")
-                if self.bad_steps >= t.max_bad_steps:
-                    raise TrainingError(f"{self.bad_steps} non-finite optimizer steps in a row; stopping")
-            else:
-                self.bad_steps = 0
-                self.optimizer.step()
-            refresh_weights(self.model)  # quantize once per optimizer step
-            losses.append(loss.item())
-            grad_norms.append(float(grad_norm))
-            clip_fracs.append(stats["ppo_clip_frac"])
-            entropies.append(float(masked_mean(ent.detach(), sub.completion_mask)))
+        scored = self._score(out)
+        weights, mismatch, is_stats = self._correct(scored, out)
+        opt = self._optimize(out, adv, scored, weights)
         t_train = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        if self.needs_calibration:
-            calibrate(self.model, out.tokens, out.pad_left, out.cache_len, self.calib_cfg)
+        self._calibrate(out)
         t_sync = time.perf_counter() - t0
         self.step += 1
+        times = {"time_rollout_s": t_rollout, "time_train_s": t_train, "time_sync_s": t_sync,
+                 "time_step_s": time.perf_counter() - t_start}
+        return StepResult(self._metrics(out, rewards, correct, mismatch, is_stats, opt, times), out)
 
+    def _rollout(self, problems: list[Problem]) -> Rollout:
+        """Sample `group_size` completions per problem (a problem's group contiguous)."""
+        G = self.cfg.rollout.group_size
+        prompts = encode_prompts(self.tokenizer, [p.question for p in problems], self.cfg.system_prompt)
+        prompts = [p for p in prompts for _ in range(G)]
+        return generate(
+            self.model, prompts, self.sampling,
+            eos_ids=self.tokenizer.eos_token_ids, pad_id=self.tokenizer.pad_token_id,
+            seeds=[sample_seed(self.cfg.seed, self.step, i) for i in range(len(prompts))],
+        )
+
+    def _reward(
+        self, out: Rollout, problems: list[Problem]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Task rewards [B], final-answer correctness [B] (they differ when the task's
+        reward also checks the worked steps) and group advantages [B]."""
+        G = self.cfg.rollout.group_size
+        targets = [p for p in problems for _ in range(G)]
+        texts = [self.tokenizer.decode(ids) for ids in out.completion_ids]
+        rewards = torch.tensor([self.task.reward(t, p) for t, p in zip(texts, targets)], dtype=torch.float32)
+        correct = torch.tensor(batch_rewards(texts, [p.answer for p in targets]), dtype=torch.float32)
+        adv = group_advantages(rewards, G, self.cfg.train.normalize_std)
+        return rewards, correct, adv
+
+    def _score(self, out: Rollout) -> Scored:
+        """The training forward's log-probs of the sampled tokens. With one
+        micro-batch it runs on the weights that sampled, so its log-probs
+        (detached) are the behaviour ones: no extra forward."""
+        temp = self.sampling.logprob_temperature
+        with torch.no_grad():
+            ref_logp = score(self.ref_model, out, temp)[0] if self.ref_model is not None else None
+        if self.cfg.train.micro_batches == 1:
+            logp, entropy = score(self.model, out, temp, with_entropy=True)
+            return Scored(logp.detach(), logp, entropy, ref_logp)
+        with torch.no_grad():
+            old_logp, _ = score(self.model, out, temp)
+        return Scored(old_logp, None, None, ref_logp)
+
+    def _correct(self, scored: Scored, out: Rollout) -> tuple[torch.Tensor, dict[str, float], dict[str, float]]:
+        """Mismatch metrics and importance weights [B, S] of the behaviour vs the rollout log-probs."""
+        t = self.cfg.train
+        mismatch = mismatch_metrics(scored.old_logp, out.logprobs, out.completion_mask)
+        weights, is_stats = importance_weights(
+            scored.old_logp, out.logprobs, out.completion_mask, t.correction, cap=t.is_cap, lo=t.is_lo, hi=t.is_hi
+        )
+        return weights, mismatch, is_stats
+
+    def _optimize(self, out: Rollout, adv: torch.Tensor, scored: Scored, weights: torch.Tensor) -> Optimized:
+        """`micro_batches` optimizer steps over consecutive row blocks of the batch,
+        the weights requantized after each."""
+        t = self.cfg.train
+        lr = lr_at(self.cfg, self.step)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        mb = out.tokens.shape[0] // t.micro_batches
+        res = Optimized(lr, [], [], [], [])
+        for i in range(t.micro_batches):
+            rows = torch.arange(i * mb, (i + 1) * mb)
+            sub = out.select(rows)
+            if scored.logp is not None:
+                logp, ent = scored.logp, scored.entropy
+            else:
+                logp, ent = score(self.model, sub, self.sampling.logprob_temperature, with_entropy=True)
+            loss, stats = policy_loss(
+                logp, scored.old_logp[rows], adv[rows], sub.completion_mask,
+                eps_low=t.eps_low, eps_high=t.eps_high, is_weights=weights[rows],
+                ref_logp=scored.ref_logp[rows] if scored.ref_logp is not None else None, kl_coef=t.kl_coef,
+            )
+            grad_norm = self._backward_and_step(loss)
+            refresh_weights(self.model)  # quantize once per optimizer step
+            res.losses.append(loss.item())
+            res.grad_norms.append(float(grad_norm))
+            res.clip_fracs.append(stats["ppo_clip_frac"])
+            res.entropies.append(float(masked_mean(ent.detach(), sub.completion_mask)))
+        return res
+
+    def _backward_and_step(self, loss: torch.Tensor) -> torch.Tensor:
+        """Backward, clip, AdamW step; a non-finite loss or gradient skips the step
+        (and `max_bad_steps` of them in a row stop the run). Returns the grad norm."""
+        self.optimizer.zero_grad(set_to_none=True)
+        try:
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.grad_clip)
+        except NonFiniteError:  # an FP8 backward GEMM met a NaN/Inf gradient
+            grad_norm = torch.tensor(float("nan"))
+        if torch.isfinite(loss) and torch.isfinite(grad_norm):
+            self.bad_steps = 0
+            self.optimizer.step()
+            return grad_norm
+        self.bad_steps += 1
+        self.skipped_steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        self.log(f"step {self.step}: non-finite loss or gradient, optimizer step skipped")
+        if self.bad_steps >= self.cfg.train.max_bad_steps:
+            raise TrainingError(f"{self.bad_steps} non-finite optimizer steps in a row; stopping")
+        return grad_norm
+
+    def _calibrate(self, out: Rollout) -> None:
+        """Recalibrate the FP8 Q/K/V scales on this step's sequences (FP8 KV / attention flows)."""
+        if self.flow.needs_calibration:
+            calibrate(self.model, out.tokens, out.pad_left, out.cache_len, self.cfg.calibration)
+
+    def _metrics(
+        self, out: Rollout, rewards: torch.Tensor, correct: torch.Tensor, mismatch: dict[str, float],
+        is_stats: dict[str, float], opt: Optimized, times: dict[str, float],
+    ) -> dict[str, float]:
+        """One metrics.jsonl line: every name of METRIC_NAMES."""
         n_tok = out.n_tokens
         metrics: dict[str, float] = {
             **{k: mismatch[k] for k in ("token_mult_prob_error", "max_abs_logprob_diff", "mean_abs_logprob_diff", "gen_kl")},
-            **{k: is_stats[k] for k in ("is_weight_mean", "is_weight_max", "is_clip_frac")},
+            **is_stats,
             "reward_mean": float(rewards.mean()),
             "accuracy": float(correct.mean()),
-            "response_len_mean": n_tok / B,
-            "entropy": sum(entropies) / len(entropies),
-            "loss": sum(losses) / len(losses),
-            "grad_norm": sum(grad_norms) / len(grad_norms),
-            "lr": lr,
-            "ppo_clip_frac": sum(clip_fracs) / len(clip_fracs),
-            "time_rollout_s": t_rollout,
-            "time_train_s": t_train,
-            "time_sync_s": t_sync,
-            "time_step_s": time.perf_counter() - t_start,
-            "rollout_tokens_per_s": n_tok / max(t_rollout, 1e-9),
+            "response_len_mean": n_tok / out.tokens.shape[0],
+            "entropy": sum(opt.entropies) / len(opt.entropies),
+            "loss": sum(opt.losses) / len(opt.losses),
+            "grad_norm": sum(opt.grad_norms) / len(opt.grad_norms),
+            "lr": opt.lr,
+            "ppo_clip_frac": sum(opt.clip_fracs) / len(opt.clip_fracs),
+            **times,
+            "rollout_tokens_per_s": n_tok / max(times["time_rollout_s"], 1e-9),
             "peak_mem_bytes": peak_memory_bytes(self.model.device),
             "skipped_steps": self.skipped_steps,
         }
         missing = set(METRIC_NAMES) - set(metrics)
-        assert not missing, f"metrics missing: {missing}"
-        return StepResult(metrics, out)
+        if missing:
+            raise RuntimeError(f"metrics missing: {sorted(missing)}")
+        return metrics
 
     def evaluate(self) -> dict[str, Any]:
         e = self.cfg.eval
@@ -424,7 +464,7 @@ class Trainer:
             "time_step_s_mean": sum(r["time_step_s"] for r in rows) / len(rows) if rows else None,
             "skipped_steps": self.skipped_steps,
             "wall_time_s": wall_s,
-            "converted_linears": len(self.converted),
+            "converted_linears": len(self.plan.converted),
         }
         write_summary(self.run_dir, summary)
         summary["plots"] = [str(p) for p in plot_run(self.run_dir)]

@@ -1,15 +1,12 @@
-import random
-
-import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 import fp8rl.checkpoint as ckpt
 from fp8rl.checkpoint import (
     CheckpointError,
     checkpoint_path,
-    get_rng_state,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
@@ -24,21 +21,18 @@ def _model(seed):
 def _setup(seed):
     model = _model(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    gens = {
-        "data": torch.Generator().manual_seed(seed),
-        "py": random.Random(seed),
-        "np": np.random.default_rng(seed),
-    }
-    return model, opt, gens
+    return model, opt
 
 
-def _train(model, opt, gens, steps):
-    """Steps whose data depend on all three generators; returns the losses."""
+def _train(model, opt, seed, start, stop):
+    """Steps start..stop-1; each step's data come from (seed, step) alone, as in the
+    trainer, so a resume needs only model, optimizer and step. Returns the losses."""
     losses = []
-    for _ in range(steps):
-        x = torch.randn(16, 4, generator=gens["data"])
-        noise = gens["py"].random() + float(gens["np"].normal())
-        loss = ((model(x) - noise) ** 2).mean()
+    for step in range(start, stop):
+        g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        x = torch.randn(16, 4, generator=g)
+        target = torch.randn(16, 2, generator=g)
+        loss = ((model(x) - target) ** 2).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -46,36 +40,45 @@ def _train(model, opt, gens, steps):
     return torch.stack(losses)
 
 
-def _save(run, step, model, opt, gens, **kw):
+def _save(run, step, model, opt, **kw):
     return save_checkpoint(
         checkpoint_path(run, step), model_state=model.state_dict(), optimizer=opt,
-        rng_state=get_rng_state(gens), meta={"step": step, "flow": "jet"}, **kw,
+        meta={"step": step, "flow": "jet"}, **kw,
     )
 
 
-def test_resume_continues_training_bit_for_bit(tmp_path):
-    model, opt, gens = _setup(0)
-    _train(model, opt, gens, 3)
-    path = _save(tmp_path, 3, model, opt, gens)
-    expected = _train(model, opt, gens, 3)
+def _assert_same_optimizer_state(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    assert sa["state"].keys() == sb["state"].keys()
+    for idx, st in sa["state"].items():
+        assert st.keys() == sb["state"][idx].keys()
+        for name, v in st.items():
+            assert torch.equal(v, sb["state"][idx][name]), (idx, name)
 
-    model2, opt2, gens2 = _setup(123)  # different init, optimizer and RNG streams
-    meta = load_checkpoint(path, model2, opt2, generators=gens2)
+
+def test_resume_continues_training_bit_for_bit(tmp_path):
+    model, opt = _setup(0)
+    _train(model, opt, 7, 0, 3)
+    path = _save(tmp_path, 3, model, opt)
+    expected = _train(model, opt, 7, 3, 6)
+
+    model2, opt2 = _setup(123)  # different init and optimizer state
+    meta = load_checkpoint(path, model2, opt2)
     assert meta == {"step": 3, "flow": "jet"}
-    got = _train(model2, opt2, gens2, 3)
+    got = _train(model2, opt2, 7, meta["step"], 6)
     assert torch.equal(got, expected)
     for a, b in zip(model.parameters(), model2.parameters()):
         assert torch.equal(a, b)
+    _assert_same_optimizer_state(opt, opt2)
 
 
 def test_checkpoint_holds_only_safetensors_and_json(tmp_path):
-    model, opt, gens = _setup(0)
-    _train(model, opt, gens, 1)
-    path = _save(tmp_path, 1, model, opt, gens)
+    model, opt = _setup(0)
+    _train(model, opt, 0, 0, 1)
+    path = _save(tmp_path, 1, model, opt)
     names = sorted(p.name for p in path.iterdir())
-    assert names == [
-        "meta.json", "model.safetensors", "optimizer.json", "optimizer.safetensors", "rng.json", "rng.safetensors",
-    ]
+    assert names == ["meta.json", "model.safetensors", "optimizer.json", "optimizer.safetensors"]
     # the parent holds only the finished step dir
     assert [p.name for p in path.parent.iterdir()] == ["step_1"]
 
@@ -88,32 +91,32 @@ def test_latest_ignores_tmp_dirs_and_sorts_numerically(tmp_path):
 
 
 def test_interrupted_save_leaves_no_checkpoint(tmp_path, monkeypatch):
-    model, opt, gens = _setup(0)
+    model, opt = _setup(0)
 
     def killed(*args):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(ckpt, "_fsync_dir", killed)  # dies after all files are written
     with pytest.raises(KeyboardInterrupt):
-        _save(tmp_path, 1, model, opt, gens)
+        _save(tmp_path, 1, model, opt)
     assert latest_checkpoint(tmp_path) is None
     assert list((tmp_path / "checkpoints").iterdir()) == []
 
 
 def test_keep_last_prunes_and_same_step_overwrites(tmp_path):
-    model, opt, gens = _setup(0)
+    model, opt = _setup(0)
     for step in (1, 2, 3):
-        _save(tmp_path, step, model, opt, gens, keep_last=2)
-    _save(tmp_path, 3, model, opt, gens, keep_last=2)
+        _save(tmp_path, step, model, opt, keep_last=2)
+    _save(tmp_path, 3, model, opt, keep_last=2)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2", "step_3"]
 
 
 def test_missing_tensor_is_named_and_nothing_is_modified(tmp_path):
-    model, opt, gens = _setup(0)
+    model, opt = _setup(0)
     state = model.state_dict()
     del state["2.bias"]
     path = save_checkpoint(checkpoint_path(tmp_path, 1), model_state=state, optimizer=opt,
-                           rng_state={}, meta={})
+                           meta={})
     target = _model(1)
     before = [p.clone() for p in target.parameters()]
     with pytest.raises(CheckpointError, match=r"'2.bias' is missing \(expected shape \(2,\)\)"):
@@ -122,17 +125,17 @@ def test_missing_tensor_is_named_and_nothing_is_modified(tmp_path):
 
 
 def test_shape_mismatch_names_tensor_and_both_shapes(tmp_path):
-    model, opt, gens = _setup(0)
-    path = _save(tmp_path, 1, model, opt, gens)
+    model, opt = _setup(0)
+    path = _save(tmp_path, 1, model, opt)
     other = nn.Sequential(nn.Linear(4, 9), nn.Tanh(), nn.Linear(9, 2))
     with pytest.raises(CheckpointError, match=r"'0.weight' has shape \(8, 4\), expected \(9, 4\)"):
         load_checkpoint(path, other)
 
 
 def test_optimizer_shape_mismatch_names_state_tensor(tmp_path):
-    model, opt, gens = _setup(0)
-    _train(model, opt, gens, 1)
-    path = _save(tmp_path, 1, model, opt, gens)
+    model, opt = _setup(0)
+    _train(model, opt, 0, 0, 1)
+    path = _save(tmp_path, 1, model, opt)
     # same model tensors, but the optimizer holds the params in another order
     model2 = _model(0)
     opt2 = torch.optim.AdamW(list(model2.parameters())[::-1], lr=1e-2)
@@ -141,23 +144,26 @@ def test_optimizer_shape_mismatch_names_state_tensor(tmp_path):
 
 
 def test_missing_file_names_the_path(tmp_path):
-    model, opt, gens = _setup(0)
-    path = _save(tmp_path, 1, model, opt, gens)
+    model, opt = _setup(0)
+    path = _save(tmp_path, 1, model, opt)
     (path / "optimizer.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="step_1/optimizer.safetensors"):
         load_checkpoint(path, model, opt)
 
 
-def test_rng_names_must_match(tmp_path):
-    model, opt, gens = _setup(0)
-    path = _save(tmp_path, 1, model, opt, gens)
-    with pytest.raises(CheckpointError, match=r"no generator for \['np'\]"):
-        load_checkpoint(path, model, opt, generators={"data": gens["data"], "py": gens["py"]})
-    target = _model(5)
-    before = [p.clone() for p in target.parameters()]
-    with pytest.raises(CheckpointError, match=r"'data' is python_random but its saved state is 'torch'"):
-        load_checkpoint(path, target, generators={**gens, "data": random.Random(0)})
-    assert all(torch.equal(a, b) for a, b in zip(before, target.parameters()))
+def test_old_checkpoint_with_rng_files_still_loads(tmp_path):
+    """Checkpoints written before RNG state was dropped hold rng.json / rng.safetensors."""
+    model, opt = _setup(0)
+    _train(model, opt, 0, 0, 2)
+    path = _save(tmp_path, 2, model, opt)
+    (path / "rng.json").write_text('{"py": {"kind": "python_random", "state": [3, [1, 2], null]}}')
+    save_file({"data": torch.Generator().manual_seed(0).get_state()}, str(path / "rng.safetensors"))
+    model2, opt2 = _setup(1)
+    assert load_checkpoint(path, model2, opt2) == {"step": 2, "flow": "jet"}
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+    _assert_same_optimizer_state(opt, opt2)
+    assert (path / "rng.json").is_file() and (path / "rng.safetensors").is_file()  # left as they were
 
 
 class Tied(nn.Module):
@@ -173,7 +179,7 @@ def test_tied_weights_are_stored_once_and_stay_tied(tmp_path):
     model = Tied()
     opt = torch.optim.AdamW(model.parameters())
     path = save_checkpoint(checkpoint_path(tmp_path, 1), model_state=model.state_dict(), optimizer=opt,
-                           rng_state={}, meta={})
+                           meta={})
     from safetensors import safe_open
 
     with safe_open(str(path / "model.safetensors"), "pt") as f:
@@ -186,8 +192,8 @@ def test_tied_weights_are_stored_once_and_stay_tied(tmp_path):
 
 
 def test_non_json_meta_is_named_and_nothing_is_written(tmp_path):
-    model, opt, gens = _setup(0)
+    model, opt = _setup(0)
     with pytest.raises(TypeError, match=r"meta.sched.lr: Tensor"):
         save_checkpoint(checkpoint_path(tmp_path, 1), model_state=model.state_dict(), optimizer=opt,
-                        rng_state={}, meta={"sched": {"lr": torch.tensor(1.0)}})
+                        meta={"sched": {"lr": torch.tensor(1.0)}})
     assert list((tmp_path / "checkpoints").iterdir()) == []

@@ -1,16 +1,15 @@
-"""The `fp8rl` command line (DESIGN section 8), driven in-process through
+"""The `fp8rl` command line (docs/design.md section 8), driven in-process through
 `fp8rl.cli.main(argv)`.
 
 Every command has a `--help` that names its flags; `eval`, `mismatch`,
 `export` and `train` print one JSON object with `--json` and write what the
 contract says; user errors exit with code 2 and one `error: ...` line on
-stderr that names the problem, never a traceback.
+stderr that names the problem, never a traceback. Every command reads the
+same TOML config, with one precedence: dataclass defaults < the command's own
+defaults < the file < `--set` < flags.
 
 Everything runs on the built-in tiny policy with a handful of prompts and
 tokens, so the whole file takes seconds on a CPU.
-
-Tests marked `xfail(strict=True)` document known bugs: they fail today and
-will turn into an XPASS error (a reminder to drop the mark) once fixed.
 """
 
 from __future__ import annotations
@@ -22,19 +21,24 @@ import pytest
 import torch
 
 from fp8rl.cli import main
+from fp8rl.config import RunConfig
 
-COMMANDS = ("train", "eval", "sft", "mismatch", "export", "compare")
-COMMON = ("--config", "--model", "--task", "--flow", "--seed", "--out", "--json")
-# DESIGN section 8's common flags, as far as they apply to each command
+REPO = Path(__file__).resolve().parents[1]
+
+COMMANDS = ("train", "eval", "sft", "mismatch", "export", "compare", "bench")
+COMMON = ("--config", "--model", "--task", "--flow", "--backend", "--seed", "--out", "--set", "--json")
+# docs/design.md section 8's common flags, as far as they apply to each command
 HELP_FLAGS = {
-    "train": COMMON + ("--steps", "--resume", "--set", "--no-progress"),
-    "eval": COMMON + ("--n", "--temperature", "--max-new-tokens", "--set"),
-    "mismatch": COMMON + ("--prompts", "--samples", "--max-new-tokens", "--temperature", "--set"),
-    "compare": COMMON + ("--flows", "--seeds", "--steps", "--set"),
-    # sft trains fp32 from a fresh tiny policy or --model; it has no run config or flow
-    "sft": ("--model", "--task", "--seed", "--out", "--json", "--steps"),
-    # export turns one model into one folder: no task, flow, seed or run config
-    "export": ("--model", "--out", "--json", "--format", "--overwrite"),
+    "train": COMMON + ("--steps", "--resume", "--no-progress"),
+    "eval": COMMON + ("--n", "--temperature", "--max-new-tokens"),
+    "mismatch": COMMON + ("--prompts", "--samples", "--max-new-tokens", "--temperature"),
+    "compare": COMMON + ("--flows", "--seeds", "--steps"),
+    # sft trains fp32 from a fresh tiny policy or the config's model: no flow or backend
+    "sft": ("--config", "--model", "--task", "--seed", "--out", "--set", "--json", "--steps", "--batch-size",
+            "--lr", "--early-answer-noise", "--eval-n", "--max-new-tokens"),
+    # export turns one model into one folder: no task, flow or seed
+    "export": ("--config", "--model", "--out", "--set", "--json", "--format", "--scale-fmt", "--dtype", "--overwrite"),
+    "bench": ("--config", "--model", "--backend", "--set", "--json", "--flows", "--batch", "--max-new-tokens"),
 }
 PRESET_NAMES = ("bf16", "fp8-rollout", "jet", "jet-e2e", "jet-kv", "fp8-grads")
 MISMATCH_METRICS = ("token_mult_prob_error", "max_abs_logprob_diff", "mean_abs_logprob_diff", "gen_kl")
@@ -109,9 +113,10 @@ def test_flow_help_lists_presets(capsys, command):
         assert name in text, name
 
 
-@pytest.mark.parametrize("command", ("sft", "export"))
+@pytest.mark.parametrize("command", COMMANDS)
 def test_every_command_takes_config(capsys, command):
-    assert "--config" in help_text(capsys, command)
+    text = help_text(capsys, command)
+    assert "--config" in text and "--set" in text
 
 
 def test_bench_command_exists(capsys):
@@ -415,14 +420,216 @@ def test_bench_reports_each_flow(capsys):
     assert rows[1]["kv_ratio_vs_bf16"] <= 0.51
 
 
-def test_sft_and_export_read_a_flat_toml_config(capsys, tmp_path):
+# -- one config for every command -------------------------------------------------------
+
+
+def toml(tmp_path: Path, text: str, name: str = "run.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def resolved(*argv) -> RunConfig:
+    """The config a command line resolves to, without running the command."""
+    from fp8rl.cli import _run_config, build_parser
+
+    return _run_config(build_parser().parse_args([str(a) for a in argv]))
+
+
+def test_flags_beat_set_beat_file_beat_command_defaults(tmp_path):
+    # compare's own default out sits between the dataclass default and the file
+    assert resolved("compare").out == "runs/compare"
+    assert resolved("train").out == "runs/default"
+    cfg_file = toml(tmp_path, 'out = "from-file"\nflow = "bf16"\n[eval]\nn = 3\n[compare]\nseeds = [7]\n')
+    cfg = resolved("compare", "--config", cfg_file)
+    assert (cfg.out, cfg.flow, cfg.eval.n, cfg.compare.seeds) == ("from-file", "bf16", 3, (7,))
+    cfg = resolved("compare", "--config", cfg_file, "--set", "out=from-set", "--set", "compare.seeds=[8, 9]",
+                   "--set", "eval.n=4")
+    assert (cfg.out, cfg.compare.seeds, cfg.eval.n) == ("from-set", (8, 9), 4)
+    cfg = resolved("compare", "--config", cfg_file, "--set", "out=from-set", "--set", "compare.seeds=[8, 9]",
+                   "--out", "from-flag", "--seeds", "1,2", "--flows", "jet,jet-kv", "--steps", "5")
+    assert (cfg.out, cfg.compare.seeds, cfg.compare.flows, cfg.train.steps) == (
+        "from-flag", (1, 2), ("jet", "jet-kv"), 5)
+    cfg = resolved("eval", "--config", cfg_file, "--set", "eval.n=4", "--n", "5", "--flow", "jet")
+    assert (cfg.eval.n, cfg.flow) == (5, "jet")
+
+
+def test_each_flag_sets_its_config_key():
+    cfg = resolved("eval", "--n", "3", "--temperature", "0.5", "--max-new-tokens", "9")
+    assert (cfg.eval.n, cfg.eval.temperature, cfg.eval.max_new_tokens) == (3, 0.5, 9)
+    cfg = resolved("mismatch", "--prompts", "2", "--samples", "3", "--max-new-tokens", "4", "--temperature", "0.7")
+    assert cfg.mismatch.__dict__ == {"prompts": 2, "samples": 3, "max_new_tokens": 4, "temperature": 0.7}
+    cfg = resolved("sft", "--steps", "3", "--batch-size", "4", "--lr", "0.1", "--early-answer-noise", "0.4",
+                   "--eval-n", "5", "--max-new-tokens", "6", "--seed", "2")
+    s = cfg.sft
+    assert (s.steps, s.batch_size, s.lr, s.early_answer_noise, s.eval_n, s.max_new_tokens, cfg.seed) == (
+        3, 4, 0.1, 0.4, 5, 6, 2)
+    assert cfg.train.steps == RunConfig().train.steps  # sft's --steps is sft.steps
+    cfg = resolved("export", "--format", "fp8-block", "--scale-fmt", "ue8m0", "--dtype", "bfloat16")
+    assert cfg.export.__dict__ == {"format": "fp8-block", "scale_fmt": "ue8m0", "dtype": "bfloat16"}
+    cfg = resolved("bench", "--flows", "jet", "--batch", "2", "--max-new-tokens", "3", "--backend", "cpu")
+    assert (cfg.bench.flows, cfg.bench.batch, cfg.bench.max_new_tokens, cfg.backend) == (("jet",), 2, 3, "cpu")
+
+
+def test_sft_model_default_builds_from_scratch_unless_the_config_names_one(tmp_path):
+    assert resolved("sft").model == "" and resolved("sft").out == "runs/sft"
+    assert resolved("sft", "--config", REPO / "configs" / "default.toml").model == "tiny-arith"
+    assert resolved("export").out == "" and resolved("export").model == ""
+
+
+def test_eval_reads_the_config_flow_and_eval_section(capsys, tmp_path):
+    cfg_file = toml(tmp_path, 'flow = "bf16"\n[eval]\nn = 3\nmax_new_tokens = 4\n')
+    rc, out, err = cli(capsys, "eval", "--config", cfg_file, "--json")
+    assert rc == 0, err
+    res = json.loads(out)
+    assert (res["n"], res["flow"]) == (3, "bf16")
+    assert all(len(s["completion"]) <= 4 * 8 for s in res["samples"])
+    rc, out, err = cli(capsys, "eval", "--config", cfg_file, "--set", "eval.n=2", "--flow", "jet", "--json")
+    assert rc == 0, err
+    res = json.loads(out)
+    assert (res["n"], res["flow"]) == (2, "jet")
+
+
+def test_eval_runs_under_the_flow(capsys, tmp_path):
+    """Without --flow, eval runs the config's flow (default jet), as training does."""
+    rc, out, err = cli(capsys, "eval", "--n", "2", "--max-new-tokens", "4", "--json")
+    assert rc == 0, err
+    assert json.loads(out)["flow"] == RunConfig().flow == "jet"
+
+
+def test_mismatch_reads_its_section(capsys, tmp_path):
+    cfg_file = toml(tmp_path, 'flow = "fp8-rollout"\n[mismatch]\nprompts = 1\nsamples = 2\nmax_new_tokens = 3\n')
+    rc, out, err = cli(capsys, "mismatch", "--config", cfg_file, "--json")
+    assert rc == 0, err
+    res = json.loads(out)
+    assert res["flow"] == "fp8-rollout" and 0 < res["n_tokens"] <= 1 * 2 * 3
+    assert res["backend"] == "reference"  # "auto" resolved by apply_flow: a tiny model on the CPU
+
+
+def test_bench_reads_its_section(capsys, tmp_path):
+    cfg_file = toml(tmp_path, '[bench]\nflows = ["jet"]\nbatch = 2\nmax_new_tokens = 3\n')
+    rc, out, err = cli(capsys, "bench", "--config", cfg_file, "--json")
+    assert rc == 0, err
+    rows = json.loads(out)["results"]
+    assert [(r["flow"], r["tokens"], r["backend"]) for r in rows] == [("jet", 6, "reference")]
+
+
+def test_export_reads_the_export_section(capsys, tmp_path):
     out_dir = tmp_path / "fp8"
-    cfg = tmp_path / "export.toml"
-    cfg.write_text(f'model = "tiny-arith"\nout = "{out_dir}"\nformat = "fp8-block"\n')
-    rc, out, err = cli(capsys, "export", "--config", cfg, "--json")
+    cfg_file = toml(tmp_path, f'model = "tiny-arith"\nout = "{out_dir}"\n[export]\nformat = "fp8-block"\n')
+    rc, out, err = cli(capsys, "export", "--config", cfg_file, "--json")
     assert rc == 0, err
     assert json.loads(out)["format"] == "fp8-block" and (out_dir / "config.json").is_file()
-    bad = tmp_path / "bad.toml"
-    bad.write_text("stepz = 3\n")
-    rc, _, err = cli(capsys, "sft", "--config", bad, "--json")
-    error_line(rc, err, "stepz", one_line=False)
+    config = json.loads((out_dir / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "fp8"
+
+
+def test_export_needs_out(capsys, tmp_path):
+    rc, _, err = cli(capsys, "export", "--config", toml(tmp_path, 'model = "tiny-arith"\n'))
+    error_line(rc, err, "--out")
+
+
+def sft_small(capsys, *argv) -> dict:
+    rc, out, err = cli(capsys, "sft", *argv, "--json")
+    assert rc == 0, err
+    return json.loads(out)
+
+
+def test_sft_reads_the_sft_section_and_fine_tunes_the_config_model(capsys, tmp_path):
+    from fp8rl.model import load
+
+    out_dir = tmp_path / "ft"
+    cfg_file = toml(tmp_path, f'model = "tiny-arith"\nout = "{out_dir}"\nseed = 3\n'
+                              "[sft]\nsteps = 1\nbatch_size = 2\nlr = 0.0\neval_n = 2\nmax_new_tokens = 4\n")
+    info = sft_small(capsys, "--config", cfg_file)
+    assert info["out"] == str(out_dir)
+    assert info["eval"]["n"] == 2
+    assert {k: info["sft_config"][k] for k in ("steps", "batch_size", "lr", "seed")} == {
+        "steps": 1, "batch_size": 2, "lr": 0.0, "seed": 3}
+    # lr 0: the saved model is the config's model (tiny-arith), not a fresh tiny policy
+    tuned, _ = load(out_dir)
+    original, _ = load("tiny-arith")
+    for (name, a), b in zip(tuned.state_dict().items(), original.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_sft_without_a_model_builds_from_scratch(capsys, tmp_path):
+    from fp8rl.model import load
+
+    out_dir = tmp_path / "scratch"
+    info = sft_small(capsys, "--out", out_dir, "--steps", "1", "--batch-size", "2", "--lr", "0",
+                     "--eval-n", "2", "--max-new-tokens", "4")
+    assert info["sft_config"]["steps"] == 1
+    fresh, _ = load(out_dir)
+    original, _ = load("tiny-arith")
+    assert not all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), original.state_dict().values()))
+
+
+def test_sft_refuses_to_replace_a_run_directory(capsys, tmp_path):
+    """With a shared config, `out` may be a training run: sft must not replace it."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("{}\n")
+    cfg_file = toml(tmp_path, f'out = "{run}"\n[sft]\nsteps = 1\nbatch_size = 2\neval_n = 1\n')
+    rc, _, err = cli(capsys, "sft", "--config", cfg_file, "--json")
+    error_line(rc, err, str(run), "--out")
+    assert (run / "metrics.jsonl").read_text() == "{}\n"
+
+
+@pytest.mark.parametrize(
+    ("command", "text", "needles"),
+    [
+        ("sft", "steps = 300\n", ("unknown config key steps", "sft.steps", "[sft]")),
+        ("sft", "early_answer_noise = 0.4\n", ("sft.early_answer_noise", "[sft]")),
+        ("export", 'format = "fp8-block"\n', ("unknown config key format", "export.format", "[export]")),
+        ("sft", "stepz = 3\n", ("stepz",)),
+    ],
+)
+def test_old_flat_keys_say_where_they_live_now(capsys, tmp_path, command, text, needles):
+    rc, _, err = cli(capsys, command, "--config", toml(tmp_path, text), "--out", tmp_path / "o", "--json")
+    error_line(rc, err, *needles)
+    assert not (tmp_path / "o").exists()
+
+
+def test_compare_flows_from_the_config_are_checked(capsys, tmp_path):
+    cfg_file = toml(tmp_path, '[compare]\nflows = ["bf16", "fp9"]\n')
+    rc, _, err = cli(capsys, "compare", "--config", cfg_file, "--out", tmp_path / "o", "--steps", "1")
+    error_line(rc, err, "fp9", "compare.flows", "fp8-rollout")
+    assert not (tmp_path / "o").exists()
+
+
+def test_compare_uses_the_config_out(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a wrong default (runs/compare) would land here
+    out_dir = tmp_path / "from-config"
+    cfg_file = toml(tmp_path, f'out = "{out_dir}"\n'
+                              "[rollout]\nprompts_per_step = 2\ngroup_size = 2\nmax_new_tokens = 8\n"
+                              "[train]\nsteps = 1\n[eval]\nn = 2\nmax_new_tokens = 4\n"
+                              '[compare]\nflows = ["bf16"]\nseeds = [0]\n')
+    rc, out, err = cli(capsys, "compare", "--config", cfg_file, "--json")
+    assert rc == 0, err
+    report = json.loads(out)
+    assert (report["flows"], report["seeds"]) == (["bf16"], [0])
+    assert (out_dir / "report.md").is_file() and (out_dir / "runs").is_dir()
+    assert not (tmp_path / "runs").exists()
+
+
+def test_run_saved_before_the_command_sections_still_resumes(capsys, tmp_path):
+    run = tmp_path / "run"
+    assert train(capsys, run, "--steps", "1")[0] == 0
+    saved = json.loads((run / "config.json").read_text())
+    for section in ("mismatch", "sft", "export", "bench", "compare"):
+        del saved[section]  # as a run directory written before they existed
+    (run / "config.json").write_text(json.dumps(saved))
+    rc, out, err = train(capsys, run, "--steps", "2", "--resume")
+    assert rc == 0, err
+    assert json.loads(out)["steps"] == 2
+
+
+def test_compare_rerun_with_another_flow_resumes_its_runs(capsys, tmp_path):
+    cfg_file = toml(tmp_path, "[rollout]\nprompts_per_step = 2\ngroup_size = 2\nmax_new_tokens = 8\n"
+                              "[train]\nsteps = 1\n[eval]\nn = 2\nmax_new_tokens = 4\n[compare]\nseeds = [0]\n")
+    out_dir = tmp_path / "cmp"
+    assert cli(capsys, "compare", "--config", cfg_file, "--flows", "bf16", "--out", out_dir, "--json")[0] == 0
+    rc, out, err = cli(capsys, "compare", "--config", cfg_file, "--flows", "bf16,jet", "--out", out_dir, "--json")
+    assert rc == 0, err
+    assert [r["label"] for r in json.loads(out)["rows"]] == ["bf16", "jet"]

@@ -9,9 +9,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from fp8rl.fp8 import QTensor, dequantize, quantize
+from fp8rl.fp8 import FP8Linear, QTensor, dequantize, quantize
 from fp8rl.model import export_fp8_block, export_hf, load
 from fp8rl.model.load import load_state_dict_from_folder
+from fp8rl.precision import apply_flow
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -109,8 +110,12 @@ def test_export_fp8_block_bits(scale_fmt, tmp_path, hf_checkpoint):
 def test_export_fp8_uses_cached_qweight(tmp_path, hf_checkpoint):
     """A linear that already holds its FP8 weight (FP8Linear.qweight) is exported
     bit for bit, not re-quantized: here a deliberately different QTensor."""
-    model, tok = _fp8_model(hf_checkpoint, tokenizer=False)
+    # dims multiples of 16 (so the flow converts them) with partial 128-blocks: 208, 304
+    model, _ = load(hf_checkpoint(arch="qwen2", hidden_size=208, num_heads=4, num_kv_heads=1,
+                                  intermediate_size=304, tokenizer=False))
+    apply_flow(model, "jet")
     linear = model.model.layers[0].mlp.up_proj
+    assert isinstance(linear, FP8Linear)
     cached = quantize(linear.weight.detach().float() * 0.5, block=(128, 128))
     linear.qweight = cached
     raw = load_state_dict_from_folder(export_fp8_block(model, None, tmp_path / "fp8"), dequantize=False)
@@ -129,8 +134,7 @@ def test_export_fp8_of_model_under_precision_flow(tmp_path, hf_checkpoint):
     """Under a precision flow the FP8Linear layers' own qweight objects are
     exported, refreshed first: after an optimizer step (weights changed, no
     forward yet) the export holds the new weights, not last step's cache."""
-    from fp8rl.model.transformer import apply_flow
-    from fp8rl.precision import PRESETS, fp8_linears
+    from fp8rl.precision import PRESETS, apply_flow, fp8_linears
 
     # all dims multiples of 16, so every decoder linear becomes an FP8Linear
     model, tok = load(hf_checkpoint(arch="qwen2", hidden_size=64, num_heads=4, num_kv_heads=2,

@@ -9,8 +9,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fp8rl.fp8 import FP8Linear, dequantize, fp8_matmul, quantize
-from fp8rl.precision import PRESETS, convert_linears, refresh_weights, set_phase
+from numerics import sqnr_db
+
+from fp8rl.fp8 import FP8Linear, LinearPlan, dequantize, fp8_matmul, quantize
+from fp8rl.precision import PRESETS, PrecisionFlow, convert_linears, phase, refresh_weights, resolve_plan
 
 T_SHAPE, K, N = (2, 128), 576, 320  # 256 tokens; 576 = 4.5 and 320 = 2.5 blocks of 128
 
@@ -33,9 +35,14 @@ BAND = {"bf16": (49.0, math.inf), "fp8": (26.0, 32.0)}
 FP8_TRANSPORT_BAND = (24.0, 28.0)
 
 
-def sqnr_db(ref: torch.Tensor, x: torch.Tensor) -> float:
-    ref, x = ref.detach().double(), x.detach().double()
-    return 10 * math.log10((ref**2).sum().item() / ((ref - x) ** 2).sum().item())
+def plan(flow: str | PrecisionFlow, ph: str = "train") -> LinearPlan:
+    """The LinearPlan of ``flow`` in phase ``ph`` on the FP32-emulating "cpu" backend."""
+    return resolve_plan(PRESETS[flow] if isinstance(flow, str) else flow, "cpu").linear[ph]
+
+
+def to_rollout(layer: FP8Linear) -> None:
+    """Switch a layer made by ``setup`` to its flow's rollout plan (what ``phase`` does for a model)."""
+    layer.plan = layer.rollout_plan
 
 
 def bf16(t: torch.Tensor) -> torch.Tensor:
@@ -50,7 +57,9 @@ def setup(flow_name: str, seed: int = 0):
         lin.bias.copy_(torch.randn(N, generator=g))
     x = torch.randn(*T_SHAPE, K, generator=g).requires_grad_()
     dy = torch.randn(*T_SHAPE, N, generator=g)
-    return lin, FP8Linear.from_linear(lin, PRESETS[flow_name]), x, dy
+    layer = FP8Linear.from_linear(lin, plan(flow_name))
+    layer.rollout_plan = plan(flow_name, "rollout")
+    return lin, layer, x, dy
 
 
 def run(layer: FP8Linear, x: torch.Tensor, dy: torch.Tensor):
@@ -68,7 +77,7 @@ def test_sqnr_against_float64_linear(flow_name):
     y, dx, dw, db = run(layer, x, dy)
     X, W, _, DY = x.detach().double(), lin.weight.detach().double(), lin.bias.detach().double(), dy.double()
     with torch.no_grad():
-        layer.phase = "rollout"
+        to_rollout(layer)
         y_roll = layer(x)
     rollout, fprop, dgrad, wgrad = EXPECTED[flow_name]
     measured = {
@@ -104,7 +113,7 @@ def test_bf16_flow_is_a_bf16_linear():
         (dw, bf16(dy2).double().T @ bf16(x2).double()),
     ]:
         assert ((got.double() - exact).norm() / exact.norm()).item() < 1e-6
-    # ...and bit for bit the per-128-K-block FP32 accumulation of DESIGN.md.
+    # ...and bit for bit the per-128-K-block FP32 accumulation (docs/design.md section 3).
     assert torch.equal(y.reshape(-1, N), kblock_mm(bf16(x2), bf16(w)) + b)
     assert torch.equal(dx.reshape(-1, K), kblock_mm(bf16(dy2), bf16(w).T))
     assert torch.equal(dw, kblock_mm(bf16(dy2).T, bf16(x2).T))
@@ -131,13 +140,13 @@ def test_fp8_gemms_are_the_block_recipe():
     qw = layer.qweight
     assert qw.block == (128, 128)
     assert torch.equal(qw.data.view(torch.uint8), quantize(layer.weight.detach(), (128, 128)).data.view(torch.uint8))
-    assert torch.equal(y.reshape(-1, N), fp8_matmul(quantize(x2), qw) + layer.bias.detach())
-    assert torch.equal(dx.reshape(-1, K), fp8_matmul(quantize(dy2), qw.t()))
+    assert torch.equal(y.reshape(-1, N), fp8_matmul(quantize(x2), qw, backend="cpu") + layer.bias.detach())
+    assert torch.equal(dx.reshape(-1, K), fp8_matmul(quantize(dy2), qw.t(), backend="cpu"))
     # wgrad requantizes the high-precision x and dy along tokens (128x1 blocks)...
-    wgrad = fp8_matmul(quantize(dy2, (128, 1)).t(), quantize(x2, (128, 1)).t())
+    wgrad = fp8_matmul(quantize(dy2, (128, 1)).t(), quantize(x2, (128, 1)).t(), backend="cpu")
     assert torch.equal(dw, wgrad)
     # ...which is not what reusing the fprop FP8 x (1x128 tiles) would give.
-    reuse = fp8_matmul(quantize(dy2, (128, 1)).t(), quantize(dequantize(quantize(x2)), (128, 1)).t())
+    reuse = fp8_matmul(quantize(dy2, (128, 1)).t(), quantize(dequantize(quantize(x2)), (128, 1)).t(), backend="cpu")
     assert not torch.equal(dw, reuse)
 
 
@@ -156,7 +165,7 @@ def test_rollout_vs_train_forward(flow_name, same):
     _, layer, x, _ = setup(flow_name)
     with torch.no_grad():
         y_train = layer(x)
-        layer.phase = "rollout"
+        to_rollout(layer)
         y_roll = layer(x)
     assert torch.equal(y_train, y_roll) == same
 
@@ -168,7 +177,7 @@ def test_decode_steps_match_the_training_batch_bitwise(flow_name):
     _, layer, x, _ = setup(flow_name)
     with torch.no_grad():
         y_train = layer(x)  # [2, 128, N]
-        layer.phase = "rollout"
+        to_rollout(layer)
         for t in [0, 1, 77, 127]:
             assert torch.equal(layer(x[:, t : t + 1]), y_train[:, t : t + 1]), t
             assert torch.equal(layer(x[1:, t : t + 1]), y_train[1:, t : t + 1]), t
@@ -188,9 +197,9 @@ def test_weight_is_quantized_once_per_step():
     layer.refresh_weight()
     q0 = layer.qweight
     with torch.no_grad():
-        layer.phase = "rollout"
+        to_rollout(layer)
         y_roll = layer(x)
-    layer.phase = "train"
+    layer.plan = plan("jet")
     y_train = layer(x)
     assert layer.qweight is q0  # rollout and training forward share the object
     assert torch.equal(y_roll, y_train.detach())
@@ -199,7 +208,7 @@ def test_weight_is_quantized_once_per_step():
     opt.step()
     y_new = layer(x)  # stale cache noticed: requantized lazily from the new weight
     assert layer.qweight is not q0
-    fresh = FP8Linear.from_linear(nn.Linear(K, N), PRESETS["jet"])
+    fresh = FP8Linear.from_linear(nn.Linear(K, N), plan("jet"))
     with torch.no_grad():
         fresh.weight.copy_(lin.weight)
         fresh.bias.copy_(lin.bias)
@@ -218,17 +227,17 @@ def test_weight_caches_follow_the_flow():
 
 def test_ue8m0_flow_uses_power_of_two_weight_scales():
     lin = nn.Linear(K, N)
-    layer = FP8Linear.from_linear(lin, PRESETS["jet"].replace(scale_fmt="ue8m0"))
+    layer = FP8Linear.from_linear(lin, plan(PRESETS["jet"].replace(scale_fmt="ue8m0")))
     layer(torch.randn(4, K))
     assert layer.qweight.scale_fmt == "ue8m0" and torch.all(torch.frexp(layer.qweight.scale).mantissa == 0.5)
 
 
 def test_bf16_input_and_nan_error_names_the_layer():
     lin = nn.Linear(64, 32)
-    layer = FP8Linear.from_linear(lin, PRESETS["jet"], name="layers.0.mlp.up_proj")
+    layer = FP8Linear.from_linear(lin, plan("jet"), name="layers.0.mlp.up_proj")
     y = layer(torch.randn(3, 5, 64).bfloat16())
     assert y.dtype == torch.bfloat16 and y.shape == (3, 5, 32)
-    bf16_layer = FP8Linear.from_linear(nn.Linear(64, 32).bfloat16(), PRESETS["jet-e2e"])
+    bf16_layer = FP8Linear.from_linear(nn.Linear(64, 32).bfloat16(), plan("jet-e2e"))
     x16 = torch.randn(7, 64, dtype=torch.bfloat16, requires_grad=True)
     bf16_layer(x16).float().square().sum().backward()
     assert x16.grad.dtype == bf16_layer.weight.grad.dtype == bf16_layer.bias.grad.dtype == torch.bfloat16
@@ -257,7 +266,7 @@ def toy_regression(flow_name: str, steps: int = 80) -> tuple[float, float]:
     target = torch.sin(x @ teacher)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 16))
-    report = convert_linears(model, PRESETS[flow_name])
+    report = convert_linears(model, PRESETS[flow_name], backend="cpu")
     assert report.converted == ["0", "2", "4"]
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     losses = []
@@ -268,8 +277,7 @@ def toy_regression(flow_name: str, steps: int = 80) -> tuple[float, float]:
         opt.step()
         refresh_weights(model)
         losses.append(loss.item())
-    set_phase(model, "rollout")
-    with torch.no_grad():
+    with phase(model, "rollout"), torch.no_grad():
         final = ((model(x) - target) ** 2).mean().item()
     return losses[0], final
 

@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from fp8rl.rl.grpo import entropy_from_logits, group_advantages, masked_mean, policy_loss
+from fp8rl.rl.grpo import group_advantages, masked_mean, policy_loss
+from fp8rl.rollout.engine import token_entropy
 
 
 # --- advantages ----------------------------------------------------------------
@@ -116,30 +117,28 @@ def test_policy_loss_k3_kl_to_reference():
     assert loss.item() == pytest.approx(0.1 * k3 / 2, rel=1e-6)
 
 
-def test_policy_loss_n_tokens_makes_micro_batches_sum_to_full_batch():
+def test_policy_loss_normalises_each_micro_batch_by_its_own_tokens():
+    # Each micro-batch is its own optimizer step: the loss is a per-token mean.
     g = torch.Generator().manual_seed(0)
     old = -torch.rand(4, 3, generator=g, dtype=torch.float64) - 0.5
-    logp = (old + 0.4 * torch.randn(4, 3, generator=g, dtype=torch.float64)).requires_grad_()
+    logp = old + 0.4 * torch.randn(4, 3, generator=g, dtype=torch.float64)
     adv = torch.tensor([1.0, -0.5, 2.0, -1.5])
     mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [0, 0, 0]])
-    full, _ = policy_loss(logp, old, adv, mask)
-    (g_full,) = torch.autograd.grad(full, logp)
-    n = float(mask.sum())
-    total = sum(
-        policy_loss(logp[i : i + 2], old[i : i + 2], adv[i : i + 2], mask[i : i + 2], n_tokens=n)[0] for i in (0, 2)
-    )
-    (g_parts,) = torch.autograd.grad(total, logp)
-    torch.testing.assert_close(total, full, rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(g_parts, g_full, rtol=1e-6, atol=1e-7)
-    # without n_tokens each micro-batch normalises by its own count: not the same
-    own = sum(policy_loss(logp[i : i + 2], old[i : i + 2], adv[i : i + 2], mask[i : i + 2])[0] for i in (0, 2))
-    assert abs(own.item() - full.item()) > 1e-3
+    loss, stats = policy_loss(logp, old, adv, mask)
+    doubled, _ = policy_loss(torch.cat([logp, logp]), torch.cat([old, old]), torch.cat([adv, adv]), torch.cat([mask, mask]))
+    assert stats["n_tokens"] == 6.0
+    torch.testing.assert_close(doubled, loss, rtol=1e-6, atol=1e-7)
 
 
 # --- entropy ---------------------------------------------------------------------
 
 
-def test_entropy_from_logits_hand_values_and_mask():
+def entropy_from_logits(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The trainer's entropy metric: per-token entropy of the scorer, masked mean."""
+    return masked_mean(token_entropy(torch.log_softmax(logits.float(), dim=-1)), mask)
+
+
+def test_entropy_hand_values_and_mask():
     logits = torch.zeros(2, 2, 4)
     logits[0, 1] = torch.tensor([0.5, 0.25, 0.25, 0.0]).log()  # p = (1/2, 1/4, 1/4, 0)
     logits[1, :] = float("nan")  # masked row

@@ -9,9 +9,9 @@ import torch
 import torch.nn as nn
 
 from fp8rl.fp8 import FP8Linear
-from fp8rl.precision import PRESETS, PrecisionFlow, convert_linears, get_flow, phase, refresh_weights, set_phase
+from fp8rl.precision import PRESETS, PrecisionFlow, convert_linears, get_flow, phase, refresh_weights, resolve_plan
 
-# DESIGN.md section 4, row by row:
+# docs/design.md section 4, row by row:
 # (rollout_linear, train_fprop, train_dgrad, train_wgrad, grad_transport, kv_cache, attention)
 TABLE = {
     "bf16": ("bf16", "bf16", "bf16", "bf16", "bf16", "bf16", "bf16"),
@@ -127,23 +127,23 @@ def test_convert_linears_custom_high_precision_and_bf16_flow():
     assert all(isinstance(model.get_submodule(n), FP8Linear) for n in report.converted)
 
 
-def test_set_phase_phase_context_and_refresh():
+def test_phase_context_swaps_plans_and_refresh():
     model = Tiny()
-    convert_linears(model, PRESETS["jet"])
+    plan = convert_linears(model, PRESETS["fp8-rollout"])
+    assert model.flow_plan is plan
+    train, rollout = plan.linear["train"], plan.linear["rollout"]
+    assert (train.fprop, rollout.fprop) == ("bf16", "fp8")  # the flow, resolved per phase
     layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
-    assert len(layers) == 6 and all(m.phase == "train" for m in layers)
-    layers[0].phase = "rollout"  # a mixed state must come back exactly
-    before = [m.phase for m in layers]
+    assert len(layers) == 6 and all(m.plan is train for m in layers)
+    layers[0].plan = rollout  # a mixed state must come back exactly
+    before = [m.plan for m in layers]
     with phase(model, "rollout"):
-        assert all(m.phase == "rollout" for m in layers)
-    assert [m.phase for m in layers] == before
+        assert all(m.plan is rollout for m in layers)
+    assert [m.plan for m in layers] == before
     with pytest.raises(RuntimeError, match="boom"):
         with phase(model, "rollout"):
             raise RuntimeError("boom")
-    assert [m.phase for m in layers] == before
-    assert set_phase(model, "train") == 6 and all(m.phase == "train" for m in layers)
-    with pytest.raises(ValueError, match="'train', 'rollout'"):
-        set_phase(model, "eval")
+    assert [m.plan for m in layers] == before
     with pytest.raises(ValueError, match="'train', 'rollout'"):
         with phase(model, "generate"):
             pass
@@ -152,3 +152,36 @@ def test_set_phase_phase_context_and_refresh():
     assert all(x is not None for x in q)
     assert refresh_weights(model) == 6
     assert all(m.qweight is not old for m, old in zip(layers, q))
+    q = [m.qweight for m in layers]
+    with phase(model, "rollout"):  # swapping plans keeps the weight forms: no requantization
+        model(torch.randint(0, 128, (1, 3)))
+    model(torch.randint(0, 128, (1, 3)))
+    assert all(m.qweight is old for m, old in zip(layers, q))
+
+
+def test_phase_of_a_model_without_flow():
+    model = Tiny()
+    with phase(model, "rollout"):  # nothing to switch: runs as it is
+        model(torch.randint(0, 128, (1, 3)))
+    convert_linears(model, PRESETS["jet"])
+    del model.flow_plan
+    with pytest.raises(ValueError, match="no flow_plan"):
+        with phase(model, "rollout"):
+            pass
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_resolved_plan_follows_the_flow(name):
+    """The plan is the flow, field by field, for every GEMM, attention and the head."""
+    flow = PRESETS[name]
+    plan = resolve_plan(flow, "reference")
+    assert plan.linear["rollout"].fprop == flow.rollout_linear and plan.linear["train"].fprop == flow.train_fprop
+    for p in plan.linear.values():
+        assert (p.dgrad, p.wgrad, p.grad_transport, p.scale_fmt) == (
+            flow.train_dgrad, flow.train_wgrad, flow.grad_transport, flow.scale_fmt)
+        assert p.weight_forms == {flow.rollout_linear, flow.train_fprop, flow.train_dgrad}
+        assert p.backend.name == "reference"
+    assert plan.attention.kv == flow.kv_cache
+    assert plan.attention.qp == ("fp8" if flow.attention == "fp8" else "bf16")
+    assert plan.head.precision == "bf16"
+    assert flow.needs_calibration == (name == "jet-kv")

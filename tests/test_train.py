@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fp8rl.config import RunConfig
-from fp8rl.logging import read_metrics
+from fp8rl.runlog import read_metrics
 from fp8rl.model import load
 from fp8rl.rl.metrics import METRIC_NAMES
 from fp8rl.train import Trainer, TrainingError
@@ -88,22 +88,6 @@ def test_native_bf16_backend_trains_on_policy(tmp_path: Path, micro_batches: int
     for row in read_metrics(tmp_path / "amx" / "metrics.jsonl"):
         assert row["token_mult_prob_error"] == 1.0 and row["max_abs_logprob_diff"] == 0.0
         assert math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])
-
-
-def test_auto_backend_choice(monkeypatch: pytest.MonkeyPatch):
-    import fp8rl.train as ft
-    from fp8rl.model import ModelConfig
-    from fp8rl.model.transformer import Transformer
-
-    tiny, _ = load("tiny-arith")
-    assert ft.resolve_backend("auto", tiny) == "reference"  # small: the exact GEMMs
-    assert ft.resolve_backend("cpu", tiny) == "cpu"
-    big = Transformer(ModelConfig(vocab_size=512, hidden_size=512, intermediate_size=1536, num_layers=2,
-                                  num_heads=4, num_kv_heads=2, head_dim=128, max_position_embeddings=64))
-    monkeypatch.setattr(ft, "native_bf16_available", lambda: True)
-    assert ft.resolve_backend("auto", big) == "amx"
-    monkeypatch.setattr(ft, "native_bf16_available", lambda: False)
-    assert ft.resolve_backend("auto", big) == "cpu"
 
 
 def _numbers(path: Path) -> list[dict]:

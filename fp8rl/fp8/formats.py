@@ -1,6 +1,6 @@
 """FP8 number formats and the constants of the block-scaling recipe.
 
-Two OCP FP8 formats are used (DESIGN.md section 3):
+Two OCP FP8 formats are used (docs/design.md section 3):
 
 - E4M3 (``torch.float8_e4m3fn``): 4 exponent bits, 3 mantissa bits, largest
   finite value 448, no infinities. Weights, activations and gradients.

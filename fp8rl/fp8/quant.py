@@ -1,4 +1,4 @@
-"""Block-wise FP8 quantization (DeepSeek-V3 recipe), DESIGN.md section 3.
+"""Block-wise FP8 quantization (DeepSeek-V3 recipe), docs/design.md section 3.
 
 A tensor ``x`` of shape ``[..., M, K]`` is cut, over its last two dims, into
 blocks of ``(bm, bk)`` elements; every block gets one FP32 scale:
@@ -154,9 +154,27 @@ def quantize(
             if scale_fmt == "ue8m0":
                 s = _ue8m0(s)
             scale[..., r0 // bm : -(-r1 // bm), c0 // bk : -(-c1 // bk)] = s
-            # True FP32 division, clamp, then the cast (round to nearest even) by copy_.
-            q[..., r0:r1, c0:c1] = (xb / s[..., :, None, :, None]).clamp_(-f.max, f.max).flatten(-4, -3).flatten(-2, -1)
+            # The cast (round to nearest even) happens in the copy into q.
+            q[..., r0:r1, c0:c1] = _scaled(xb, s[..., :, None, :, None], f.max).flatten(-4, -3).flatten(-2, -1)
     return QTensor(q, scale, (bm, bk), fmt, scale_fmt)
+
+
+def _scaled(x32: torch.Tensor, scale: torch.Tensor, fmax: float) -> torch.Tensor:
+    """``clamp(x / scale, -fmax, fmax)``: true FP32 division, clamp before the
+    cast (so out-of-range values saturate instead of becoming NaN)."""
+    return (x32 / scale).clamp_(-fmax, fmax)
+
+
+def quantize_static(x: torch.Tensor, scale: torch.Tensor, fmt: str = "e4m3") -> torch.Tensor:
+    """FP8 data of ``x`` under a given (static) FP32 ``scale`` that broadcasts to it.
+
+    The same divide, clamp and cast as ``quantize``, without computing the scale:
+    used for the Q/K/V and P tensors of FP8 attention, whose per-head scales are
+    calibrated between steps. Values beyond ``fmax * scale`` saturate, as static
+    scales do. Dequantize with ``fp8_to_float(data) * scale``.
+    """
+    f = get_format(fmt)
+    return _scaled(x.float(), scale, f.max).to(f.dtype)
 
 
 def fp8_to_float(data: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import save_file
 
+from fp8rl.fp8 import FP8Linear, quantize
+
 from .config import ModelConfig
 
 if TYPE_CHECKING:
@@ -77,7 +79,6 @@ def export_fp8_block(
     """Write `model` in the block-FP8 layout (see module docstring). `scale_fmt`
     "ue8m0" rounds each block scale up to a power of two (DeepSeek-V3.1 style;
     recorded as `quantization_config.scale_fmt`). Returns the folder."""
-    from fp8rl.fp8 import quantize
 
     tensors: dict[str, torch.Tensor] = {}
     for name, t in _hf_tensors(model).items():
@@ -202,12 +203,12 @@ def _cached_qweight(model: "Transformer", name: str, weight: torch.Tensor, scale
     """The QTensor an FP8Linear already uses for this weight, if it has one: the
     export must be bit-identical to what our FP8 forward computes with."""
     module = model.get_submodule(name.rsplit(".", 1)[0])
-    refresh = getattr(module, "refresh_weight", None)
-    if callable(refresh):
-        # FP8Linear requantizes lazily on its next forward: right after optimizer.step()
-        # its cache still holds the previous step's weights. Export the current policy.
-        refresh()
-    q = getattr(module, "qweight", None)
+    if not isinstance(module, FP8Linear):
+        return None
+    # FP8Linear requantizes lazily on its next forward: right after optimizer.step()
+    # its cache still holds the previous step's weights. Export the current policy.
+    module.ensure_fresh()
+    q = module.qweight
     if q is None:
         return None
     if tuple(q.block) != FP8_BLOCK or q.fmt != "e4m3" or tuple(q.data.shape) != tuple(weight.shape):
@@ -215,7 +216,7 @@ def _cached_qweight(model: "Transformer", name: str, weight: torch.Tensor, scale
             f"{name}: the cached FP8 weight has block {tuple(q.block)}, format {q.fmt}, shape "
             f"{tuple(q.data.shape)}; the FP8 export needs block {FP8_BLOCK}, e4m3, shape {tuple(weight.shape)}"
         )
-    if getattr(q, "scale_fmt", "fp32") != scale_fmt:
+    if q.scale_fmt != scale_fmt:
         raise ValueError(
             f"{name}: the model's FP8 weights use scale_fmt={q.scale_fmt!r} but scale_fmt={scale_fmt!r} "
             "was asked; export with the model's own scale format so the bits match"

@@ -14,9 +14,11 @@ Two ways to call it, one code path:
   computed one token at a time (rollout) or all at once (training), which is
   what makes rollout and training log-probs bitwise equal.
 
-Precision is set by `apply_flow(model, flow)` (fp8rl.precision): linears become
-`FP8Linear`, attention stores K/V (and Q, P) as BF16 or FP8, and the lm_head uses
-BF16 operands. A model with no flow applied is the full-FP32 reference.
+Precision is set by `fp8rl.precision.apply_flow(model, flow)`: linears become
+`FP8Linear`, each `Attention` gets an `attention_plan` (K/V, Q and P stored as
+BF16 or FP8; the products on the plan's backend) and the model a `head_plan`
+(BF16 operands, the backend's head GEMMs). A model with no flow applied is the
+full-FP32 reference.
 """
 
 from __future__ import annotations
@@ -29,11 +31,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fp8rl.fp8.gemm import bf16_matmul
+from fp8rl.fp8.formats import E4M3_MAX
+from fp8rl.fp8.quant import fp8_to_float, quantize_static
+from fp8rl.precision import FULL_PRECISION_ATTENTION, FULL_PRECISION_HEAD, AttentionPlan, FlowPlan, HeadPlan
 
 from .config import ModelConfig
-
-E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 
 
 class _StraightThrough(torch.autograd.Function):
@@ -54,15 +56,14 @@ class _StraightThrough(torch.autograd.Function):
 class _HeadGrad(torch.autograd.Function):
     """Attach the lm_head's gradient to logits computed without a graph.
 
-    Forward returns `out` (the logits already computed) unchanged. Backward is
-    that of a linear on the BF16-rounded operands: FP32 GEMMs on the
-    emulating backends, BF16 GEMMs (`bf16_matmul`) on "amx". No FP32 copy of
-    the logits is ever computed just to carry the graph."""
+    Forward returns `out` (the logits already computed) unchanged; backward is
+    the head plan's backend's `head_grads`. No FP32 copy of the logits is ever
+    computed just to carry the graph."""
 
     @staticmethod
-    def forward(ctx: Any, h: torch.Tensor, w: torch.Tensor, out: torch.Tensor, backend: str | None) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, h: torch.Tensor, w: torch.Tensor, out: torch.Tensor, plan: HeadPlan) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(h, w)
-        ctx.backend = backend
+        ctx.plan = plan
         return out.view_as(out)
 
     @staticmethod
@@ -70,19 +71,8 @@ class _HeadGrad(torch.autograd.Function):
         h, w = ctx.saved_tensors
         g2 = grad.reshape(-1, grad.shape[-1])  # [N, vocab]
         h2 = h.detach().reshape(-1, h.shape[-1])  # [N, D]
-        dh = dw = None
-        if ctx.backend == "amx":
-            if ctx.needs_input_grad[0]:
-                dh = bf16_matmul(g2, w.detach().T, "amx", invariant=False).view_as(h)
-            if ctx.needs_input_grad[1]:
-                dw = bf16_matmul(g2.T, h2.T, "amx", invariant=False)
-            return dh, dw, None, None
-        w_r = w.detach().to(torch.bfloat16).float()
-        if ctx.needs_input_grad[0]:
-            dh = (g2 @ w_r).view_as(h)
-        if ctx.needs_input_grad[1]:
-            dw = g2.T @ h2.to(torch.bfloat16).float()
-        return dh, dw, None, None
+        dh, dw = ctx.plan.backend.head_grads(g2, h2, w.detach(), ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        return (dh.view_as(h) if dh is not None else None), dw, None, None
 
 
 def store_heads(x: torch.Tensor, precision: str, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,10 +90,11 @@ def store_heads(x: torch.Tensor, precision: str, scale: torch.Tensor | None) -> 
             stored = x.detach().to(torch.bfloat16)
             value = stored.float()
         elif precision == "fp8":
-            assert scale is not None
+            if scale is None:
+                raise ValueError("FP8 storage of attention heads needs per-head scales")
             s = scale.view(1, -1, 1, 1)
-            stored = (x.detach().float() / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-            value = stored.float() * s
+            stored = quantize_static(x.detach(), s)
+            value = fp8_to_float(stored) * s
         else:
             raise ValueError(f"unknown attention storage precision {precision!r}")
     if x.requires_grad:
@@ -205,33 +196,31 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None] + rotated * sin[:, None]
 
 
-def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, p_precision: str
-) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
     """Softmax attention over a static number of key slots, with grouped KV heads.
 
     q [B, H, T, D]; k, v [B, Hkv, L, D] (query head h reads KV head h // (H/Hkv));
     mask [B, 1, T, L] -> [B, H, T, D].
-    The two matmuls run in float64 on float32 operands and round once to float32:
-    the result no longer depends on how many query rows share the call (decode
-    vs training), which batch-shaped float32 BLAS kernels do not promise.
+    The two products are the plan's backend's (`attention_scores`,
+    `attention_values`): batch-invariant, so the result does not depend on how
+    many query rows share the call (decode vs training).
     K/V are repeated per query head before the matmuls. (Stacking a group's
     query heads into one matmul against the shared KV head gives the same
     forward bits but sums the K/V gradients in another order, which changes
     training runs in the last bits; the repeat keeps runs reproducible.)
-    `p_precision="fp8"` stores P in E4M3 with the fixed scale 1/448 (P is in [0, 1]).
+    `plan.qp == "fp8"` stores P in E4M3 with the fixed scale 1/448 (P is in [0, 1]).
     """
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
     scale = 1.0 / math.sqrt(q.shape[-1])
-    scores = (q.double() @ k.double().transpose(-1, -2)).float() * scale  # [B, H, T, L]
+    scores = plan.backend.attention_scores(q, k) * scale  # [B, H, T, L]
     scores = scores.masked_fill(~mask, float("-inf"))
     p = torch.softmax(scores, dim=-1)
-    if p_precision == "fp8":
+    if plan.qp == "fp8":
         _, p = store_heads(p, "fp8", torch.full((p.shape[1],), 1.0 / E4M3_MAX, device=p.device))
-    return (p.double() @ v.double()).float()
+    return plan.backend.attention_values(p, v)
 
 
 class Attention(nn.Module):
@@ -247,9 +236,8 @@ class Attention(nn.Module):
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-        # Storage precision of K/V ("fp32" | "bf16" | "fp8") and of Q and P ("fp8" = FP8 attention).
-        self.kv_precision = "fp32"
-        self.qp_precision = "fp32"
+        # Storage of K/V, Q and P and the backend of the products (fp8rl.precision.apply_flow sets it).
+        self.attention_plan: AttentionPlan = FULL_PRECISION_ATTENTION
         # Static FP8 scales, recalibrated each step (fp8rl.rollout.calibrate); not checkpoint state.
         self.register_buffer("q_scale", torch.ones(c.num_heads), persistent=False)
         self.register_buffer("k_scale", torch.ones(c.num_kv_heads), persistent=False)
@@ -271,9 +259,10 @@ class Attention(nn.Module):
             for name, t in (("q", q), ("k", k), ("v", v)):
                 rec[name].append(t.detach().abs().amax(dim=-1).transpose(1, 2).reshape(-1, t.shape[1]))
 
-        k_stored, k_val = store_heads(k, self.kv_precision, self.k_scale)
-        v_stored, v_val = store_heads(v, self.kv_precision, self.v_scale)
-        _, q_val = store_heads(q, self.qp_precision, self.q_scale)
+        plan = self.attention_plan
+        k_stored, k_val = store_heads(k, plan.kv, self.k_scale)
+        v_stored, v_val = store_heads(v, plan.kv, self.v_scale)
+        _, q_val = store_heads(q, plan.qp, self.q_scale)
         L = ctx.cache_len
         if ctx.cache is not None:
             k_all, v_all = ctx.cache.update(self.layer_idx, ctx.start, k_stored, v_stored)
@@ -282,7 +271,7 @@ class Attention(nn.Module):
                 raise ValueError("a forward without a KV cache must start at slot 0")
             k_all = F.pad(k_val, (0, 0, 0, L - T))  # zero keys beyond T are masked
             v_all = F.pad(v_val, (0, 0, 0, L - T))
-        out = attend(q_val, k_all, v_all, ctx.mask, self.qp_precision)  # [B, H, T, D]
+        out = attend(q_val, k_all, v_all, ctx.mask, plan)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
@@ -329,12 +318,10 @@ class Transformer(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
-        # lm_head numerics: "fp32" (reference), "bf16" (bf16_matmul on `head_backend`), or
-        # "bf16-exact" (bf16 operands, float64 math: batch-invariant, for the reference backend).
-        self.head_precision = "fp32"
-        self.head_backend: str | None = None
-        self._head_cache: tuple[tuple, Any] | None = None
-        self.flow: Any = None  # the PrecisionFlow applied, if any
+        # lm_head numerics (fp8rl.precision.apply_flow sets them) and the converted head weight.
+        self.head_plan: HeadPlan = FULL_PRECISION_HEAD
+        self._head_cache: tuple[tuple, dict] | None = None
+        self.flow_plan: FlowPlan | None = None  # the resolved flow, once apply_flow ran
 
     @property
     def device(self) -> torch.device:
@@ -348,28 +335,22 @@ class Transformer(nn.Module):
         return emb.cos(), emb.sin()
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        """lm_head logits [..., vocab]. Under a flow: BF16 operands, and a
-        batch-invariant GEMM (float64 on the exact backend, `bf16_matmul` on the
-        others) so a row's logits do not depend on the batch around it.
-        The gradient is that of an FP32 linear on the BF16-rounded operands."""
+        """lm_head logits [..., vocab]. Under a flow: BF16 operands and the head
+        plan's backend's batch-invariant `head_logits`, so a row's logits do not
+        depend on the batch around it; the gradient is the backend's `head_grads`."""
         w = self.lm_head.weight
-        if self.head_precision == "fp32":
+        plan = self.head_plan
+        if plan.precision == "fp32":
             return F.linear(h, w)
-        exact = self.head_precision == "bf16-exact"
-        version = (w._version, w.data_ptr(), exact, self.head_backend)
+        version = (w._version, w.data_ptr(), plan)
         if self._head_cache is None or self._head_cache[0] != version:
-            w_low = w.detach().to(torch.bfloat16)
-            self._head_cache = (version, w_low.double() if exact else (w_low, {}))
+            self._head_cache = (version, {})  # the backend keeps its converted weight here
         h2 = h.detach().reshape(-1, h.shape[-1])
         with torch.no_grad():
-            if exact:
-                out = (h2.to(torch.bfloat16).double() @ self._head_cache[1].T).float()
-            else:
-                w_low, converted = self._head_cache[1]
-                out = bf16_matmul(h2, w_low, self.head_backend, converted)
+            out = plan.backend.head_logits(h2, w.detach(), self._head_cache[1])
         out = out.view(*h.shape[:-1], out.shape[-1])
         if torch.is_grad_enabled() and (h.requires_grad or w.requires_grad):
-            out = _HeadGrad.apply(h, w, out, self.head_backend)
+            out = _HeadGrad.apply(h, w, out, plan)
         return out
 
     def forward(
@@ -390,23 +371,3 @@ class Transformer(nn.Module):
             x = x[:, T - n_last :]
         return self.head(self.model.norm(x))
 
-
-def apply_flow(model: Transformer, flow: Any, backend: str | None = None) -> list[str]:
-    """Put `model` under a precision flow, in place; returns the converted linear names.
-
-    Linears (except `flow.high_precision` ones) become FP8Linear; attention stores
-    K/V in BF16 or FP8 (`flow.kv_cache`), Q and P in FP8 with `flow.attention="fp8"`;
-    the lm_head uses BF16 operands (float64 math on the exact `reference` backend).
-    """
-    from fp8rl.precision import convert_linears
-
-    if model.flow is not None:
-        raise ValueError(f"a precision flow ({model.flow.name}) is already applied to this model")
-    report = convert_linears(model, flow, backend=backend)
-    for layer in model.model.layers:
-        layer.self_attn.kv_precision = flow.kv_cache
-        layer.self_attn.qp_precision = "fp8" if flow.attention == "fp8" else "bf16"
-    model.head_precision = "bf16-exact" if backend == "reference" else "bf16"
-    model.head_backend = backend
-    model.flow = flow
-    return list(getattr(report, "converted", report))

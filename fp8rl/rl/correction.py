@@ -12,11 +12,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-METHODS = ("none", "tis", "icepop", "seq-mask-tis")
+from fp8rl.rl.grpo import MAX_LOG_RATIO
 
-# Same guard as the PPO ratio: exp(20) ~ 4.9e8 is already far outside every
-# band, and the clamp keeps float64 exp finite for any input.
-MAX_LOG_RATIO = 20.0
+METHODS = ("none", "tis", "icepop", "seq-mask-tis")
 
 
 def importance_weights(

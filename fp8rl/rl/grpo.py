@@ -1,4 +1,4 @@
-"""GRPO math: group-relative advantages, the clipped policy loss, entropy.
+"""GRPO math: group-relative advantages, the clipped policy loss, the k3 KL.
 
 Pure functions on tensors; no state. Shapes: B sequences (B = n_prompts * G,
 the G samples of one prompt contiguous), T response positions, V vocabulary.
@@ -12,6 +12,7 @@ from torch import Tensor
 
 # exp() of a log-ratio above ~88 overflows float32. Ratios this far from 1 are
 # clipped (or carry a detached IS weight) anyway, so the clamp only removes inf.
+# The one bound for every log-ratio (PPO ratio, k3 KL, IS weights in correction.py).
 MAX_LOG_RATIO = 20.0
 
 
@@ -76,7 +77,6 @@ def policy_loss(
     is_weights: Tensor | None = None,
     ref_logp: Tensor | None = None,
     kl_coef: float = 0.0,
-    n_tokens: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Token-level PPO clipped surrogate (GRPO / DAPO style).
 
@@ -88,10 +88,9 @@ def policy_loss(
         pg  = -min(ratio * A, clamp(ratio, 1 - eps_low, 1 + eps_high) * A)
         pg *= is_weights                                   (after clipping)
         tok = pg + kl_coef * (exp(ref - logp) - (ref - logp) - 1)
-    loss = sum(tok over unmasked) / N, N = `n_tokens` if given (the token count
-    of the whole rollout batch, so that summing micro-batch losses equals the
-    loss of the concatenated batch: exact gradient accumulation), else the
-    unmasked count of this call (at least 1). The KL term is not IS-weighted.
+    loss = sum(tok over unmasked) / N, N the unmasked count of this call (at
+    least 1): each micro-batch is its own optimizer step (PPO epochs over
+    minibatches), normalised by its own tokens. The KL term is not IS-weighted.
     Defaults eps_low=0.2, eps_high=0.28: DAPO's clip-higher, which keeps
     low-probability tokens able to grow; pass eps_high=0.2 for classic PPO.
 
@@ -127,8 +126,7 @@ def policy_loss(
     # where(), not multiply: masked positions may hold inf/NaN (padding).
     per_token = torch.where(m, per_token, torch.zeros((), device=per_token.device))
     count = int(m.sum())
-    denom = float(n_tokens) if n_tokens is not None else float(max(count, 1))
-    loss = per_token.sum() / denom
+    loss = per_token.sum() / float(max(count, 1))
 
     with torch.no_grad():
         stats = {
@@ -139,15 +137,3 @@ def policy_loss(
         }
     return loss, stats
 
-
-def entropy_from_logits(logits: Tensor, mask: Tensor) -> Tensor:
-    """Masked mean over tokens of the entropy of softmax(logits).
-
-    logits [B, T, V], mask [B, T]. Uses log_softmax in float32; vocabulary
-    entries with -inf logits (top-k filtered) contribute 0, not NaN. Returns a
-    0-d float32 tensor (differentiable; wrap in no_grad for logging only).
-    """
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    p = logp.exp()
-    h = -(p * torch.where(p > 0, logp, torch.zeros((), device=logp.device))).sum(-1)
-    return masked_mean(h, mask)

@@ -1,6 +1,6 @@
 """Rollout-vs-training mismatch metrics and the per-step metric names.
 
-Names and formulas are the DESIGN section 6 contract (NeMo-RL's
+Names and formulas are the docs/design.md section 6 contract (NeMo-RL's
 `token_mult_prob_error` and k3 `gen_kl`), so numbers compare across tools.
 """
 

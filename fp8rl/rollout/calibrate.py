@@ -8,24 +8,12 @@ rare values beyond them saturate at +-448 in E4M3.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from fp8rl.model.transformer import E4M3_MAX, Transformer, make_context
+from fp8rl.config import CalibrationConfig
+from fp8rl.fp8.formats import E4M3_MAX
+from fp8rl.model.transformer import Transformer, make_context
 from fp8rl.precision import phase
-
-
-@dataclass(frozen=True)
-class CalibrationConfig:
-    percentile: float = 99.9
-    margin: float = 1.05
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.percentile <= 100.0:
-            raise ValueError(f"calibration percentile must be in (0, 100], got {self.percentile}")
-        if self.margin <= 0:
-            raise ValueError(f"calibration margin must be > 0, got {self.margin}")
 
 
 def scales_from_amax(amax: torch.Tensor, cfg: CalibrationConfig) -> torch.Tensor:

@@ -3,8 +3,8 @@
 The batch is a left-padded grid (gpt-fast style): row b's prompt ends at column
 `prompt_len`, completions grow to the right, and every forward sees the same
 `cache_len` key slots. `generate` runs the rollout side of the precision flow
-(FP8Linear phase "rollout"); `score` re-scores the same grid with the training
-forward (phase "train"). Under the unified `jet*` flows both run the same
+(the flow's rollout plan, `phase(model, "rollout")`); `score` re-scores the same
+grid with the training forward (phase "train"). Under the unified `jet*` flows both run the same
 quantizers on the same quantized weights and KV scales, so their log-probs
 agree bit for bit on the exact `reference` backend.
 
@@ -89,6 +89,22 @@ class Rollout:
             finish_reasons=[self.finish_reasons[i] for i in idx.tolist()],
             completion_ids=[self.completion_ids[i] for i in idx.tolist()] if self.completion_ids else [],
         )
+
+
+def sample_seed(seed: int, step: int, row: int) -> int:
+    """The sampling seed of row ``row`` at step ``step`` of a run seeded ``seed``:
+    distinct and reproducible for every (seed, step, row), so a resumed run
+    draws exactly the samples an uninterrupted one would."""
+    return (seed * 1_000_003 + step) * 100_003 + row
+
+
+def token_entropy(logp: torch.Tensor) -> torch.Tensor:
+    """Entropy of each distribution: logp ``[..., V]`` (log-softmax) -> ``[...]``.
+
+    ``-sum p * logp``; entries with p == 0 (logp = -inf after top-k filtering)
+    contribute 0, not NaN."""
+    p = logp.exp()
+    return -(p * torch.where(p > 0, logp, torch.zeros((), dtype=logp.dtype, device=logp.device))).sum(-1)
 
 
 def default_cache_len(prompt_len: int, max_new_tokens: int) -> int:
@@ -228,7 +244,6 @@ def score(
     temperature: float = 1.0,
     *,
     with_entropy: bool = False,
-    amax: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The training forward: log-prob of every token of the grid.
 
@@ -238,7 +253,7 @@ def score(
     the lm_head, which keeps memory at B x (S - prompt_len) x vocab."""
     tokens, P = rollout.tokens, rollout.prompt_len
     B, S = tokens.shape
-    ctx = make_context(rollout.pad_left, 0, S, rollout.cache_len, amax=amax)
+    ctx = make_context(rollout.pad_left, 0, S, rollout.cache_len)
     with phase(model, "train"):
         logits = model(tokens, ctx, n_last=S - P + 1)[:, :-1]  # predicts columns P .. S-1
     logp_all = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
@@ -248,7 +263,7 @@ def score(
     logp = torch.where(rollout.completion_mask, logp, torch.zeros_like(logp))
     entropy = None
     if with_entropy:
-        ent = -(logp_all.exp() * logp_all).sum(-1)
+        ent = token_entropy(logp_all)
         entropy = torch.zeros(B, S, dtype=ent.dtype, device=tokens.device)
         entropy[:, P:] = ent
     return logp, entropy

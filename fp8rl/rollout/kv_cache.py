@@ -45,7 +45,7 @@ class KVCache:
         """A cache matching `model`'s config and its attention storage precision."""
         c = model.config
         attns = [layer.self_attn for layer in model.model.layers]
-        precision = attns[0].kv_precision
+        precision = attns[0].attention_plan.kv
         fp8 = precision == "fp8"
         return cls(
             c.num_layers, batch, c.num_kv_heads, cache_len, c.head_dim, precision,
@@ -66,11 +66,6 @@ class KVCache:
         if self.precision == "fp8":
             kf, vf = kf * self.k_scales[layer], vf * self.v_scales[layer]
         return kf, vf
-
-    def select(self, rows: torch.Tensor) -> None:
-        """Keep only batch rows `rows` (drop finished sequences)."""
-        self.k = [t[rows] for t in self.k]
-        self.v = [t[rows] for t in self.v]
 
     @property
     def nbytes(self) -> int:

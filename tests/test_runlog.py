@@ -4,7 +4,7 @@ import sys
 import pytest
 import torch
 
-from fp8rl.logging import RunLogger, read_metrics, write_summary
+from fp8rl.runlog import RunLogger, read_metrics, write_summary
 from fp8rl.plots import plot_compare, plot_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

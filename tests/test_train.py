@@ -8,6 +8,7 @@ steps' reward and loss; bad inputs fail with clear messages.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -160,3 +161,27 @@ def test_malformed_data_line_names_file_and_line(tmp_path: Path):
 def test_unknown_task_is_an_error(tmp_path: Path):
     with pytest.raises(ValueError, match="nope"):
         Trainer(small_cfg(tmp_path / "r", task="nope"), log=lambda s: None)
+
+
+@pytest.mark.parametrize("flow", ["jet", "jet-kv"])
+def test_kl_reference_is_the_initial_policy_under_the_same_flow(tmp_path: Path, flow: str):
+    """The KL reference model is taken after the flow (and the first Q/K/V
+    calibration): same numerics as the policy, so at step 0 its log-probs are
+    the policy's bit for bit and the k3 KL is exactly 0."""
+    from fp8rl.rl.grpo import k3_kl, masked_mean
+
+    cfg = small_cfg(tmp_path / "kl", flow=flow, **{"train.kl_coef": 0.1, "train.micro_batches": 1, "eval.n": 0})
+    trainer = Trainer(cfg, log=lambda s: None)
+    assert trainer.ref_model is not None and trainer.ref_model.flow_plan.flow.name == flow
+    assert not any(p.requires_grad for p in trainer.ref_model.parameters())
+    problems = list(itertools.islice(trainer.task.train_problems(0), 4))  # an endless stream
+    out = trainer._rollout(problems)
+    scored = trainer._score(out)
+    mask = out.completion_mask
+    assert torch.equal(scored.ref_logp[mask], scored.old_logp[mask])
+    assert float(masked_mean(k3_kl(scored.ref_logp - scored.old_logp), mask)) == 0.0
+    with torch.no_grad():  # the policy moves (an optimizer step), the reference does not
+        for p in trainer.params:
+            p.mul_(1.01)
+    scored = trainer._score(out)
+    assert not torch.equal(scored.ref_logp[mask], scored.old_logp[mask])

@@ -6,16 +6,26 @@ Layout of `run_dir/checkpoints/step_N/`:
     optimizer.json         optimizer class, param_groups hyper-parameters,
                            non-tensor state values
     meta.json              trainer metadata (step, config, scheduler, ...)
+    <extra>.json           files the caller adds (the trainer: config.json)
+    manifest.json          SHA-256 and size of every file above, written last
 No RNG state is saved: the trainer derives every random draw from
 (seed, step, row), so model + optimizer + step number define the resume.
 Checkpoints from before that change also hold `rng.safetensors` / `rng.json`;
 loading ignores them (and any other extra file).
-A checkpoint is written into `step_N.tmp-XXXX` and renamed to `step_N`, so a
-directory named `step_N` is always complete. One writer per run directory.
+
+Crash safety (docs/design.md section 10): a checkpoint is written whole into
+`step_N.tmp-XXXX`, fsynced, and renamed to `step_N`, so a directory named
+`step_N` is always complete; pruning renames a directory away before
+deleting it, so a kill mid-delete never leaves a partial `step_N`. Leftover
+`*.tmp-*` directories are removed by the next save. Loading verifies the
+manifest's checksums and that every tensor is finite; a checkpoint with a
+non-finite weight or optimizer value is never written. One writer per run
+directory.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -26,13 +36,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
 CHECKPOINTS_DIR = "checkpoints"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _ALIASES_KEY = "fp8rl.aliases"  # safetensors metadata: JSON {alias: stored name}
+MANIFEST = "manifest.json"
 
 
 class CheckpointError(ValueError):
@@ -61,50 +72,138 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     meta: dict[str, Any],
     keep_last: int | None = None,
+    extra_json: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write a checkpoint atomically to `ckpt_dir` (e.g. `checkpoint_path(run, N)`) and return it.
 
     model_state: name -> tensor (e.g. `model.state_dict()`; any device).
-    meta: JSON-serialisable dict.
-    An existing `ckpt_dir` is replaced. Leftover `*.tmp-*` dirs of killed
-    saves in the same parent are removed first. keep_last=K then deletes all
-    but the K highest `step_N` siblings.
+    meta: JSON-serialisable dict. extra_json: file name -> JSON object, written
+    inside the checkpoint before it is published (the trainer's config.json).
+    A non-finite value in a floating-point model or optimizer tensor raises
+    CheckpointError naming it, before anything is written. An existing
+    `ckpt_dir` is replaced. Leftover `*.tmp-*` dirs of killed saves in the same
+    parent are removed first. keep_last=K then deletes all but the K highest
+    `step_N` siblings.
     """
     ckpt_dir = Path(ckpt_dir)
     parent = ckpt_dir.parent
-    parent.mkdir(parents=True, exist_ok=True)
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
-    for stale in parent.glob("*.tmp-*"):
-        if stale.is_dir():
-            shutil.rmtree(stale)
-
+    extra = dict(extra_json or {})
+    reserved = {"model.safetensors", "optimizer.safetensors", "optimizer.json", "meta.json", MANIFEST}
+    if reserved & set(extra) or not all(name.endswith(".json") and "/" not in name for name in extra):
+        raise ValueError(f"extra_json names must be plain *.json files other than {sorted(reserved)}, got {sorted(extra)}")
     opt_tensors, opt_json = _flatten_optimizer(optimizer)
-    for obj, what in ((opt_json, "optimizer"), (meta, "meta")):
+    for obj, what in ((opt_json, "optimizer"), (meta, "meta"), *((v, k) for k, v in extra.items())):
         _check_json(obj, what)  # fail before writing anything
+    _check_finite(model_state, "model")
+    _check_finite(opt_tensors, "optimizer")
+    remove_leftovers(parent)
+
     tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f"{ckpt_dir.name}.tmp-"))
     try:
         _save_tensors(tmp / "model.safetensors", model_state)
         _save_tensors(tmp / "optimizer.safetensors", opt_tensors)
         _write_json(tmp / "optimizer.json", opt_json)
         _write_json(tmp / "meta.json", meta)
+        for name, obj in extra.items():
+            _write_json(tmp / name, obj)
+        _write_json(tmp / MANIFEST, _manifest(tmp))  # last: its presence means the rest is whole
         _fsync_dir(tmp)
-        if ckpt_dir.exists():  # os.replace cannot replace a non-empty directory
-            old = Path(tempfile.mkdtemp(dir=parent, prefix=f"{ckpt_dir.name}.tmp-old-"))
-            os.replace(ckpt_dir, old / ckpt_dir.name)
-            os.replace(tmp, ckpt_dir)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, ckpt_dir)
+        _publish(tmp, ckpt_dir)
     except BaseException:
         if tmp.exists():
-            shutil.rmtree(tmp)
+            _remove_dir(tmp)
         raise
-    _fsync_dir(parent)
     if keep_last is not None:
-        for _, old_dir in _step_dirs(parent)[:-keep_last]:
-            shutil.rmtree(old_dir)
+        _prune(parent, keep_last)
     return ckpt_dir
+
+
+def remove_leftovers(checkpoints_dir: Path) -> None:
+    """Delete the `*.tmp-*` directories killed saves or prunes left in
+    `checkpoints_dir` (created if missing). Only the run's one writer calls it."""
+    checkpoints_dir.mkdir(parents=True, exist_ok=True)
+    for stale in checkpoints_dir.glob("*.tmp-*"):
+        if stale.is_dir():
+            _remove_dir(stale)
+
+
+def _publish(tmp: Path, ckpt_dir: Path) -> None:
+    """Rename the finished `tmp` to `ckpt_dir` (replacing an older one) and fsync the parent."""
+    parent = ckpt_dir.parent
+    if ckpt_dir.exists():  # os.replace cannot replace a non-empty directory
+        old = Path(tempfile.mkdtemp(dir=parent, prefix=f"{ckpt_dir.name}.tmp-old-"))
+        os.replace(ckpt_dir, old / ckpt_dir.name)
+        os.replace(tmp, ckpt_dir)
+        _remove_dir(old)
+    else:
+        os.replace(tmp, ckpt_dir)
+    _fsync_dir(parent)
+
+
+def _prune(parent: Path, keep_last: int) -> None:
+    """Delete all but the `keep_last` highest `step_N` directories. Each is first
+    renamed to `step_N.tmp-del-*` (atomic), so a kill mid-delete leaves a
+    leftover the next save removes, never a partial `step_N`."""
+    for _, old_dir in _step_dirs(parent)[:-keep_last]:
+        doomed = Path(tempfile.mkdtemp(dir=parent, prefix=f"{old_dir.name}.tmp-del-"))
+        os.replace(old_dir, doomed / old_dir.name)
+        _fsync_dir(parent)
+        _remove_dir(doomed)
+
+
+def _remove_dir(path: Path) -> None:
+    shutil.rmtree(path)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _manifest(folder: Path) -> dict[str, Any]:
+    """{"files": {name: {"sha256", "bytes"}}} of every file in `folder`."""
+    files = sorted(p for p in folder.iterdir() if p.is_file() and p.name != MANIFEST)
+    return {"files": {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in files}}
+
+
+def verify_checkpoint(ckpt_dir: Path) -> bool:
+    """Check every file against `manifest.json`: FileNotFoundError for a missing
+    file, CheckpointError naming the first file with another size or SHA-256. Returns False for
+    a checkpoint written before manifests existed (nothing to verify against)."""
+    ckpt_dir = Path(ckpt_dir)
+    if not (ckpt_dir / MANIFEST).is_file():
+        return False
+    manifest = _read_json(ckpt_dir / MANIFEST)
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not files:
+        raise CheckpointError(f"{ckpt_dir / MANIFEST}: not a checkpoint manifest (no 'files' table)")
+    for name, entry in files.items():
+        path = ckpt_dir / name
+        if not path.is_file():
+            raise FileNotFoundError(f"checkpoint file missing: {path} (listed in {MANIFEST})")
+        if not isinstance(entry, dict) or path.stat().st_size != entry.get("bytes"):
+            raise CheckpointError(f"{path}: size differs from {MANIFEST}; the file is damaged")
+        if _sha256(path) != entry.get("sha256"):
+            raise CheckpointError(f"{path}: SHA-256 differs from {MANIFEST}; the file is damaged")
+    return True
+
+
+def _check_finite(tensors: Mapping[str, Tensor], what: str, path: Path | None = None) -> None:
+    """CheckpointError naming the first floating-point tensor with NaN/Inf values."""
+    for name, t in tensors.items():
+        if t.is_floating_point() and t.numel():
+            bad = int((~torch.isfinite(t.detach())).sum())
+            if bad:
+                where = f"{path}: " if path is not None else ""
+                raise CheckpointError(
+                    f"{where}{what} tensor {name!r} has {bad} non-finite value(s); "
+                    + ("the checkpoint is unusable" if path is not None else "refusing to write such a checkpoint")
+                )
 
 
 def load_checkpoint(
@@ -123,11 +222,15 @@ def load_checkpoint(
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
         raise FileNotFoundError(f"checkpoint directory not found: {ckpt_dir}")
+    verify_checkpoint(ckpt_dir)
     meta = _read_json(ckpt_dir / "meta.json")
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{ckpt_dir / 'meta.json'}: expected a JSON object, got {type(meta).__name__}")
 
     target = model.state_dict() if isinstance(model, nn.Module) else model
     saved = _load_tensors(ckpt_dir / "model.safetensors")
     _check_same_tensors(saved, target, ckpt_dir / "model.safetensors")
+    _check_finite(saved, "model", ckpt_dir / "model.safetensors")
 
     opt_state = None
     if optimizer is not None:
@@ -173,10 +276,15 @@ def _save_tensors(path: Path, tensors: Mapping[str, Tensor]) -> None:
 def _load_tensors(path: Path) -> dict[str, Tensor]:
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint file missing: {path}")
-    with safe_open(str(path), framework="pt") as f:
-        out = {k: f.get_tensor(k) for k in f.keys()}
-        aliases = json.loads((f.metadata() or {}).get(_ALIASES_KEY, "{}"))
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            out = {k: f.get_tensor(k) for k in f.keys()}
+            aliases = json.loads((f.metadata() or {}).get(_ALIASES_KEY, "{}"))
+    except (SafetensorError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from e
     for alias, stored in aliases.items():
+        if stored not in out:
+            raise CheckpointError(f"{path}: alias {alias!r} points to missing tensor {stored!r}")
         out[alias] = out[stored]
     return out
 
@@ -275,8 +383,11 @@ def _write_json(path: Path, obj: Any) -> None:
 def _read_json(path: Path) -> Any:
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint file missing: {path}")
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: invalid JSON ({e})") from e
 
 
 def _check_json(obj: Any, where: str) -> None:

@@ -68,18 +68,36 @@ def _config_flag(
     p.add_argument(flag, dest=key, default=None, help=text, **kw)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Fills `{presets}` and `{backends}` in flag help from the registries only when
+    help is printed. The registries import torch (~1 s), which `fp8rl --help` and
+    argument errors must not pay; `fp8rl CMD --help` does, and in exchange lists the
+    names from the registries themselves, so a new preset or backend needs no edit
+    here. (A HelpFormatter hook would be called too early: Python 3.14 expands every
+    help string at add_argument time to validate it.)"""
+
+    def format_help(self) -> str:
+        for action in self._actions:
+            if action.help and ("{presets}" in action.help or "{backends}" in action.help):
+                action.help = action.help.format(**_registry_names())
+        return super().format_help()
+
+
+def _registry_names() -> dict[str, str]:
+    from fp8rl.fp8.backends import BACKENDS
+    from fp8rl.precision import PRESETS
+
+    return {"presets": ", ".join(PRESETS), "backends": ", ".join(BACKENDS)}  # the registries, never a copy
+
+
 def _add_common(
     p: argparse.ArgumentParser, keys: Sequence[str], defaults: dict[str, Any], **texts: str
 ) -> None:
     """--config, --set, --json, and the flags of the top-level `keys` (`texts` replace their help)."""
-    from fp8rl.fp8.backends import BACKENDS
-    from fp8rl.precision import PRESETS
-
-    names = {"presets": ", ".join(PRESETS), "backends": ", ".join(BACKENDS)}  # the registries, never a copy
     p.add_argument("--config", help="TOML config file (see configs/); --set and flags override its values")
     for key in keys:
         spec = TOP_FLAGS[key]
-        text = texts.get(key, spec["help"]).format(**names)
+        text = texts.get(key, spec["help"])  # {presets} / {backends}: filled by _Parser when printed
         _config_flag(p, f"--{key}", key, text, defaults, type=spec.get("type", str))
     p.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE",
@@ -133,9 +151,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = _run_config(args)
     console = Console(stderr=args.json)
+    # Everything that can be refused (model, task, run directory) is checked
+    # while the trainer is built, before the config is printed and the run starts.
+    trainer = Trainer(cfg, resume=args.resume, log=console.print)
     console.print("[bold]fp8rl train[/bold] resolved config:")
     console.print_json(json.dumps(cfg.to_dict()))
-    trainer = Trainer(cfg, resume=args.resume, log=console.print)
     summary = trainer.run(progress=not args.no_progress)
     human = (
         f"\nrun {cfg.out}: flow {summary['flow']}, {summary['steps']} steps in {summary['wall_time_s']:.0f} s\n"
@@ -144,6 +164,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         f"  token_mult_prob_error: mean {summary['token_mult_prob_error_mean']:.6f}, "
         f"max {summary['token_mult_prob_error_max']:.6f}\n"
         f"  metrics: {cfg.out}/metrics.jsonl   plots: {', '.join(summary['plots'])}"
+        + "".join(f"\n  warning: {w}" for w in summary["warnings"])
         if summary["steps"] else f"run {cfg.out}: nothing to do (0 steps)"
     )
     _emit(args, summary, human)
@@ -270,9 +291,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="fp8rl", description="On-policy FP8 reinforcement learning of language models."
-    )
+    parser = _Parser(prog="fp8rl", description="On-policy FP8 reinforcement learning of language models.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     base = default_values()
 
@@ -357,14 +376,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from fp8rl.train import TrainingError
-
     args = build_parser().parse_args(argv)
+    from fp8rl.train import TrainingError  # imports torch: only once the arguments parse
+
     try:
         return args.fn(args)
-    except (ValueError, FileNotFoundError, FileExistsError, TrainingError) as e:
-        # user-caused errors (bad config, data, paths): one clear line, no traceback
-        print(f"error: {e}", file=sys.stderr)
+    except (ValueError, OSError, TrainingError) as e:
+        # User-caused errors: bad config, data, model or checkpoint files (ValueError),
+        # paths that are missing, are files, or cannot be written (OSError): one
+        # clear line, no traceback.
+        message = " ".join(str(e).split("\n"))
+        print(f"error: {message}", file=sys.stderr)
         return 2
 
 

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -187,6 +188,43 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _finite(x: float) -> bool:
+    return math.isfinite(x) and abs(x) <= _FLOAT32_MAX  # values land in float32 tensors
+
+
+# Value ranges checked when a config is built, so a bad value fails before any
+# file is written: key -> (the rule in words, the check).
+RANGES: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "rollout.group_size": (">= 2 (GRPO compares the samples of a group; one sample has advantage 0)",
+                           lambda v: v >= 2),
+    "rollout.temperature": ("a finite number >= 0 (0 = greedy)", lambda v: _finite(v) and v >= 0),
+    "rollout.top_p": ("in (0, 1]", lambda v: 0 < v <= 1),
+    "rollout.top_k": (">= 0 (0 = off)", lambda v: v >= 0),
+    "train.steps": (">= 0", lambda v: v >= 0),
+    "train.lr": ("a positive number that fits float32", lambda v: _finite(v) and v > 0),
+    "train.warmup_steps": (">= 0", lambda v: v >= 0),
+    "train.weight_decay": ("a finite number >= 0", lambda v: _finite(v) and v >= 0),
+    "train.betas": ("two numbers in [0, 1)", lambda v: all(0 <= b < 1 for b in v)),
+    "train.grad_clip": ("a finite number > 0", lambda v: _finite(v) and v > 0),
+    "train.eps_low": ("in [0, 1)", lambda v: 0 <= v < 1),
+    "train.eps_high": ("a finite number >= 0", lambda v: _finite(v) and v >= 0),
+    "train.kl_coef": ("a finite number >= 0", lambda v: _finite(v) and v >= 0),
+    "train.is_cap": ("a finite number > 0", lambda v: _finite(v) and v > 0),
+    "train.is_lo": ("a finite number >= 0", lambda v: _finite(v) and v >= 0),
+    "train.is_hi": ("a finite number > 0", lambda v: _finite(v) and v > 0),
+    "train.max_bad_steps": (">= 1", lambda v: v >= 1),
+    "eval.every": (">= 0 (0 = only before and after)", lambda v: v >= 0),
+    "eval.n": (">= 0 (0 = no evaluation)", lambda v: v >= 0),
+    "eval.temperature": ("a finite number >= 0 (0 = greedy)", lambda v: _finite(v) and v >= 0),
+    "checkpoint.every": (">= 0 (0 = only at the end)", lambda v: v >= 0),
+    "checkpoint.keep_last": (">= 1 (the last checkpoint is what --resume continues from)", lambda v: v >= 1),
+    "mismatch.temperature": ("a finite number >= 0", lambda v: _finite(v) and v >= 0),
+}
+
+
 def validate(cfg: RunConfig) -> None:
     from fp8rl.fp8.backends import BACKENDS  # lazily: the registry imports torch
     from fp8rl.precision import PRESETS
@@ -214,8 +252,18 @@ def validate(cfg: RunConfig) -> None:
     for key in positive:
         if _get(cfg, key) < 1:
             raise ValueError(f"config key {key} must be >= 1, got {_get(cfg, key)}")
-    if cfg.train.steps < 0:
-        raise ValueError(f"config key train.steps must be >= 0, got {cfg.train.steps}")
+    for key, (rule, ok) in RANGES.items():
+        value = _get(cfg, key)
+        if not ok(value):
+            raise ValueError(f"config key {key} must be {rule}, got {value!r}")
+    step_size = cfg.train.lr / (1 - cfg.train.betas[0])  # AdamW's first step size, computed in float32
+    if not _finite(step_size):
+        raise ValueError(
+            f"config key train.lr = {cfg.train.lr!r} is too large: AdamW's first step size "
+            f"lr / (1 - betas[0]) = {step_size:.3g} overflows float32"
+        )
+    if cfg.train.is_lo > cfg.train.is_hi:
+        raise ValueError(f"config keys train.is_lo = {cfg.train.is_lo} and train.is_hi = {cfg.train.is_hi}: need is_lo <= is_hi")
     n = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     if n % cfg.train.micro_batches:
         raise ValueError(
@@ -366,4 +414,8 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 
 def save_config(cfg: RunConfig, path: Path) -> None:
-    path.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    """Write `cfg` as JSON atomically: a reader (or a resume after a kill) sees the
+    old file or the new one, never a part."""
+    from fp8rl.runlog import atomic_write_text
+
+    atomic_write_text(Path(path), json.dumps(cfg.to_dict(), indent=2) + "\n")

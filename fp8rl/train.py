@@ -34,7 +34,15 @@ from typing import Any, Callable
 
 import torch
 
-from fp8rl.checkpoint import checkpoint_path, latest_checkpoint, load_checkpoint, save_checkpoint
+from fp8rl.checkpoint import (
+    CHECKPOINTS_DIR,
+    CheckpointError,
+    checkpoint_path,
+    latest_checkpoint,
+    load_checkpoint,
+    remove_leftovers,
+    save_checkpoint,
+)
 from fp8rl.config import COMMAND_SECTIONS, RunConfig, save_config
 from fp8rl.evaluate import evaluate
 from fp8rl.fp8 import NonFiniteError
@@ -60,6 +68,37 @@ def peak_memory_bytes(device: torch.device) -> int:
         return int(torch.cuda.max_memory_allocated(device))
     rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss_kb * (1 if sys.platform == "darwin" else 1024))
+
+
+def _checked_meta(meta: dict[str, Any], ckpt: Path, n_layers: int) -> tuple[int, dict[str, list[float]]]:
+    """(step, attention scales) of a checkpoint's meta.json; CheckpointError naming
+    the file and the key when one is missing or malformed."""
+    where = ckpt / "meta.json"
+    step = meta.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"{where}: 'step' must be a non-negative integer, got {step!r}")
+    if step != int(ckpt.name.removeprefix("step_")):
+        raise CheckpointError(f"{where}: 'step' is {step} but the directory is {ckpt.name}")
+    scales = meta.get("attention_scales")
+    keys = [f"{i}.{n}" for i in range(n_layers) for n in ("q", "k", "v")]
+    if not isinstance(scales, dict) or any(not isinstance(scales.get(k), list) for k in keys):
+        raise CheckpointError(f"{where}: 'attention_scales' must hold a list for each of {keys[0]} .. {keys[-1]}")
+    return step, scales
+
+
+def diverged_warning(rows: list[dict[str, Any]], vocab_size: int, last: int = 5) -> str | None:
+    """A warning when the policy ended near-uniform: mean entropy of the last
+    `last` steps above 90% of its maximum ln(vocab_size). Such a run "finishes"
+    but has learned nothing usable (e.g. a far too large learning rate)."""
+    tail = [r["entropy"] for r in rows[-last:] if math.isfinite(r.get("entropy", math.nan))]
+    if not tail:
+        return None
+    mean, top = sum(tail) / len(tail), math.log(vocab_size)
+    if mean < 0.9 * top:
+        return None
+    return (f"training diverged: the policy's entropy over the last {len(tail)} steps is {mean:.2f}, "
+            f"{mean / top:.0%} of the maximum ln({vocab_size}) = {top:.2f} (a near-uniform policy); "
+            f"lower train.lr or check the reward")
 
 
 def lr_at(cfg: RunConfig, step: int) -> float:
@@ -145,7 +184,7 @@ class Trainer:
         self.step = 0
         self.bad_steps = 0
         self.skipped_steps = 0
-        if resume and latest_checkpoint(self.run_dir) is not None:
+        if resume:
             self._resume()
         self.stream = self._problem_stream(self.step)
         # only now that model and task loaded: a failed start leaves no stale run behind
@@ -155,13 +194,24 @@ class Trainer:
     # -- setup -------------------------------------------------------------------------
 
     def _check_run_dir(self, resume: bool) -> None:
+        """Refuse, before anything is written, an output path that is a file, a
+        directory holding another run or unrelated files, a finished-or-not run
+        without --resume, and --resume where there is no run."""
+        if self.run_dir.exists() and not self.run_dir.is_dir():
+            raise TrainingError(f"output path {self.run_dir} is a file, not a directory; choose another --out")
         cfg_path = self.run_dir / "config.json"
         if cfg_path.exists():
-            saved = json.loads(cfg_path.read_text())
+            try:
+                saved = json.loads(cfg_path.read_text(encoding="utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise TrainingError(f"{cfg_path}: invalid JSON ({e}); this is not a run fp8rl can continue") from e
+            if not isinstance(saved, dict):
+                raise TrainingError(f"{cfg_path}: expected a JSON object; this is not a run fp8rl can continue")
             mine = json.loads(json.dumps(self.cfg.to_dict()))  # tuples -> lists, as saved
             # The step budget may grow on resume; the other commands' sections never
-            # change a run (and runs saved before a section existed lack it).
-            ignored = {"train", *COMMAND_SECTIONS}
+            # change a run (and runs saved before a section existed lack it); the run
+            # is the directory, however `out` spells it (relative, absolute, moved).
+            ignored = {"train", "out", *COMMAND_SECTIONS}
             diff = sorted(k for k in set(saved) | set(mine) if k not in ignored and saved.get(k) != mine.get(k))
             train_diff = sorted(
                 k for k in set(saved.get("train", {})) | set(mine["train"])
@@ -178,6 +228,10 @@ class Trainer:
                     f"output directory {self.run_dir} already holds this run; pass --resume to continue it "
                     f"or choose another --out"
                 )
+        elif resume:
+            raise TrainingError(
+                f"--resume: {self.run_dir} holds no fp8rl run (no config.json); drop --resume to start one there"
+            )
         elif self.run_dir.exists() and any(self.run_dir.iterdir()):
             raise TrainingError(f"output directory {self.run_dir} is not empty and holds no fp8rl run")
 
@@ -217,14 +271,30 @@ class Trainer:
                 getattr(layer.self_attn, f"{name}_scale").copy_(torch.tensor(scales[f"{i}.{name}"]))
 
     def _resume(self) -> None:
+        """Continue from the last checkpoint; a run killed before its first
+        checkpoint starts again from step 0 (the initial policy is the state of
+        step 0). Log lines past the resumed step are dropped, so the continued
+        run repeats an uninterrupted one number for number."""
         ckpt = latest_checkpoint(self.run_dir)
-        meta = load_checkpoint(ckpt, self.model, self.optimizer)
-        self.step = int(meta["step"])
+        remove_leftovers(self.run_dir / CHECKPOINTS_DIR)  # what a killed save or prune left behind
+        logger = RunLogger(self.run_dir, use_tensorboard=False)
+        if ckpt is None:
+            logger.truncate_after(0)
+            self.log(f"{self.run_dir}: no checkpoint was written yet; starting again from step 0")
+            return
+        try:
+            meta = load_checkpoint(ckpt, self.model, self.optimizer)
+            self.step, scales = _checked_meta(meta, ckpt, len(self.model.model.layers))
+        except CheckpointError as e:
+            earlier = [p.name for p in sorted(ckpt.parent.iterdir()) if p != ckpt and p.name.startswith("step_")]
+            fallback = f"delete {ckpt} to resume from an earlier one ({', '.join(earlier)})" if earlier else (
+                f"delete {ckpt} to start again from step 0")
+            raise TrainingError(f"{e}; {fallback}") from e
         self.bad_steps = int(meta.get("bad_steps", 0))
         self.skipped_steps = int(meta.get("skipped_steps", 0))
-        self._set_attention_scales(meta["attention_scales"])
+        self._set_attention_scales(scales)
         refresh_weights(self.model)
-        RunLogger(self.run_dir, use_tensorboard=False).truncate_after(self.step)
+        logger.truncate_after(self.step)
         self.log(f"resumed from {ckpt} at step {self.step}")
 
     def save(self) -> Path:
@@ -236,15 +306,14 @@ class Trainer:
             "flow": self.flow.name,
             "config": self.cfg.to_dict(),
         }
-        path = save_checkpoint(
+        return save_checkpoint(
             checkpoint_path(self.run_dir, self.step),
             model_state=self.model.state_dict(),
             optimizer=self.optimizer,
             meta=meta,
             keep_last=self.cfg.checkpoint.keep_last,
+            extra_json={"config.json": self.cfg.to_dict()},  # inside the checkpoint before it is published
         )
-        save_config(self.cfg, path / "config.json")
-        return path
 
     # -- one step, in data-flow order ---------------------------------------------------
 
@@ -465,7 +534,10 @@ class Trainer:
             "skipped_steps": self.skipped_steps,
             "wall_time_s": wall_s,
             "converted_linears": len(self.plan.converted),
+            "warnings": [w for w in [diverged_warning(rows, self.model.config.vocab_size)] if w],
         }
+        for warning in summary["warnings"]:
+            self.log(f"warning: {warning}")
         write_summary(self.run_dir, summary)
         summary["plots"] = [str(p) for p in plot_run(self.run_dir)]
         return summary

@@ -1,3 +1,6 @@
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -10,6 +13,7 @@ from fp8rl.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
+    verify_checkpoint,
 )
 
 
@@ -78,7 +82,7 @@ def test_checkpoint_holds_only_safetensors_and_json(tmp_path):
     _train(model, opt, 0, 0, 1)
     path = _save(tmp_path, 1, model, opt)
     names = sorted(p.name for p in path.iterdir())
-    assert names == ["meta.json", "model.safetensors", "optimizer.json", "optimizer.safetensors"]
+    assert names == ["manifest.json", "meta.json", "model.safetensors", "optimizer.json", "optimizer.safetensors"]
     # the parent holds only the finished step dir
     assert [p.name for p in path.parent.iterdir()] == ["step_1"]
 
@@ -100,7 +104,7 @@ def test_interrupted_save_leaves_no_checkpoint(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         _save(tmp_path, 1, model, opt)
     assert latest_checkpoint(tmp_path) is None
-    assert list((tmp_path / "checkpoints").iterdir()) == []
+    assert list((tmp_path / "checkpoints").iterdir()) == []  # the partial tmp dir was removed
 
 
 def test_keep_last_prunes_and_same_step_overwrites(tmp_path):
@@ -196,4 +200,94 @@ def test_non_json_meta_is_named_and_nothing_is_written(tmp_path):
     with pytest.raises(TypeError, match=r"meta.sched.lr: Tensor"):
         save_checkpoint(checkpoint_path(tmp_path, 1), model_state=model.state_dict(), optimizer=opt,
                         meta={"sched": {"lr": torch.tensor(1.0)}})
-    assert list((tmp_path / "checkpoints").iterdir()) == []
+    assert not (tmp_path / "checkpoints").exists()  # checked before anything is written
+
+
+# --- integrity -------------------------------------------------------------------
+
+
+def test_damaged_file_is_caught_by_the_checksum_before_anything_changes(tmp_path):
+    model, opt = _setup(0)
+    _train(model, opt, 0, 0, 1)
+    path = _save(tmp_path, 1, model, opt)
+    target, opt2 = _setup(1)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    data = bytearray((path / "model.safetensors").read_bytes())
+    data[-100:] = b"\xff" * 100  # inside the tensor bytes: a loader alone would not notice
+    (path / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"step_1/model.safetensors: SHA-256 differs"):
+        load_checkpoint(path, target, opt2)
+    assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())
+    (path / "meta.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="meta.json: size differs"):
+        verify_checkpoint(path)
+
+
+def test_unreadable_files_give_errors_naming_them(tmp_path):
+    model, opt = _setup(0)
+    path = _save(tmp_path, 1, model, opt)
+    (path / "manifest.json").unlink()  # as a checkpoint from before manifests: loaded unverified
+    assert verify_checkpoint(path) is False
+    (path / "model.safetensors").write_bytes(b"\x00" * 10)
+    with pytest.raises(CheckpointError, match="model.safetensors: not a readable safetensors file"):
+        load_checkpoint(path, model, opt)
+    (path / "meta.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="meta.json: invalid JSON"):
+        load_checkpoint(path, model, opt)
+
+
+def test_non_finite_weights_are_never_written_nor_loaded(tmp_path):
+    model, opt = _setup(0)
+    _train(model, opt, 0, 0, 1)
+    with torch.no_grad():
+        next(model.parameters())[0, 0] = float("nan")
+    with pytest.raises(CheckpointError, match="non-finite value.*refusing to write"):
+        _save(tmp_path, 1, model, opt)
+    assert not checkpoint_path(tmp_path, 1).exists()
+    with torch.no_grad():
+        next(model.parameters())[0, 0] = 0.0
+    path = _save(tmp_path, 1, model, opt)
+    # a legacy checkpoint (no manifest) holding a NaN is refused on load
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    next(iter(state.values())).view(-1)[0] = float("inf")
+    save_file(state, str(path / "model.safetensors"))
+    (path / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="non-finite value.*unusable"):
+        load_checkpoint(path, model, opt)
+
+
+def test_extra_json_is_inside_the_published_checkpoint(tmp_path):
+    model, opt = _setup(0)
+    path = save_checkpoint(checkpoint_path(tmp_path, 1), model_state=model.state_dict(), optimizer=opt,
+                           meta={"step": 1}, extra_json={"config.json": {"seed": 3}})
+    assert json.loads((path / "config.json").read_text()) == {"seed": 3}
+    assert "config.json" in json.loads((path / "manifest.json").read_text())["files"]
+    with pytest.raises(ValueError, match="extra_json names"):
+        save_checkpoint(checkpoint_path(tmp_path, 2), model_state=model.state_dict(), optimizer=opt,
+                        meta={}, extra_json={"meta.json": {}})
+
+
+def test_a_kill_while_pruning_never_leaves_a_partial_step_dir(tmp_path, monkeypatch):
+    import fp8rl.checkpoint as ck
+
+    model, opt = _setup(0)
+    for step in (1, 2):
+        _save(tmp_path, step, model, opt)
+
+    def killed(path):  # the process dies half-way through deleting step_1
+        files = sorted(Path(path).rglob("*.safetensors"))
+        files[0].unlink()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ck, "_remove_dir", killed)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(checkpoint_path(tmp_path, 3), model_state=model.state_dict(), optimizer=opt,
+                        meta={"step": 3}, keep_last=2)
+    parent = tmp_path / "checkpoints"
+    steps = sorted(p.name for p in parent.iterdir() if ".tmp-" not in p.name)
+    assert steps == ["step_2", "step_3"]  # step_1 was renamed away before the delete began
+    for name in steps:
+        assert verify_checkpoint(parent / name)
+    monkeypatch.undo()
+    _save(tmp_path, 4, model, opt)  # the next save clears the leftover
+    assert sorted(p.name for p in parent.iterdir()) == ["step_2", "step_3", "step_4"]

@@ -15,6 +15,8 @@ tokens, so the whole file takes seconds on a CPU.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -121,6 +123,27 @@ def test_every_command_takes_config(capsys, command):
 
 def test_bench_command_exists(capsys):
     help_text(capsys, "bench")
+
+
+def test_help_and_argument_errors_do_not_import_torch():
+    """`fp8rl --help` and argparse errors answer at once: importing torch takes about a
+    second, so only `fp8rl CMD --help` (which lists the registries' names) and the
+    commands themselves may. A fresh interpreter, since this one has torch already."""
+    argvs = [["--help"], ["nonsense"], ["train", "--bogus"], ["eval", "--n", "many"], ["export", "--format", "onnx"]]
+    code = (
+        "import sys, fp8rl.cli as c\n"
+        f"for argv in {argvs!r}:\n"
+        "    try:\n"
+        "        c.main(argv)\n"
+        "    except SystemExit as e:\n"
+        "        assert e.code in (0, 2), (argv, e.code)\n"
+        "    else:\n"
+        "        raise AssertionError(f'{argv} did not exit')\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "usage: fp8rl" in run.stdout and "invalid int value: 'many'" in run.stderr
 
 
 # -- eval --------------------------------------------------------------------------------

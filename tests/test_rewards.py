@@ -1,22 +1,32 @@
 """Answer extraction, comparison and rewards on tricky strings."""
 
 import builtins
+import random
+import re
 import signal
+import sys
 import threading
 import time
 
 import pytest
 
 from fp8rl.tasks.rewards import (
+    MAX_CHARS,
+    MAX_DIGITS,
     Number,
+    _strip_unit_words,
     answers_equal,
     batch_rewards,
+    check_gold,
+    equations_correct,
     extract_answer,
     format_number,
     last_boxed,
+    normalize_answer,
     parse_number,
     reward,
     run_with_time_limit,
+    steps_reward,
 )
 
 EXTRACT_CASES = [
@@ -198,3 +208,190 @@ def test_worker_threads_skip_math_verify_but_score_numbers():
     thread.start()
     thread.join()
     assert results == [1.0, 0.0]
+
+
+# ------------------------------------------------------------------ bounded time, no exceptions
+
+
+def adversarial(n: int) -> dict[str, str]:
+    """Inputs of about `n` characters built to make a regex or a loop go superlinear."""
+    return {
+        "words": "5" + " abc" * (n // 4) + "!",  # the quadratic _TRAILING_WORDS regex
+        "unit_words": "5" + " km/h" * (n // 5),
+        "whitespace": "5" + " " * n + "!",
+        "digits": "1" * n,
+        "digits_then_op": "1" * n + "+",  # the quadratic _EQUATION regex
+        "hashes": "####" * (n // 4),
+        "hash_digits": "#### " + "1" * n,
+        "open_braces": r"\boxed{" + "{" * n,
+        "open_boxes": r"\boxed{" * (n // 7),  # the quadratic last_boxed loop
+        "nested_boxes": r"\boxed{" * (n // 14) + "5" + "}" * (n // 14),
+        "frac_chain": r"\frac{1}{" * (n // 9),
+        "fracs": r"\frac{1}{2}" * (n // 11),
+        "thousands": "1,234" * (n // 5),
+        "braced_commas": "1{,}" * (n // 4),
+        "text_wrappers": r"\text{" * (n // 6),
+        "equations": "12+3=15 " * (n // 8),
+        "minus_run": "-" * n + "1",
+        "exponent": "1e" + "9" * n,
+        "prose": "The answer is 7. " * (n // 17),
+    }
+
+
+def _check_gold_or_reason(text: str) -> None:
+    try:
+        check_gold(text, max_chars=len(text))
+    except ValueError:
+        return
+
+
+# Entry points with their length caps lifted, so that only linear-time code passes...
+UNCAPPED = {
+    "parse_number": parse_number,
+    "normalize_answer": normalize_answer,
+    "extract_answer": lambda s: extract_answer(s, max_chars=len(s)),
+    "answers_equal(pred)": lambda s: answers_equal(s, "5", max_chars=len(s)),
+    "answers_equal(gold)": lambda s: answers_equal("5", s, max_chars=len(s)),
+    "equations_correct": lambda s: equations_correct(s, max_chars=len(s)),
+    "check_gold": _check_gold_or_reason,
+}
+# ... and as training calls them, on whole completions and gold answers.
+CAPPED = {
+    "reward(completion)": lambda s: reward(s, "5"),
+    "reward(gold)": lambda s: reward("#### 5", s),
+    "reward(both)": lambda s: reward(s, s),
+    "steps_reward": lambda s: steps_reward(s, "5"),
+}
+# The bound: every call above makes a few linear passes over its input; on a
+# 2-core dev machine the slowest takes 0.05 s of CPU for 100 KB uncapped (0.45 s
+# for 1 MB), and the capped ones a few ms on 1 MB, since they read 2,000
+# characters. 0.5 s of CPU time (not wall time, which a busy machine stretches
+# many times over) leaves a 10x margin. The code this replaced was quadratic: the
+# "words" gold of 16,000 words took over 10 s, and last_boxed on "open_boxes"
+# would run for hours, so each call is cut off at 5 s of wall time.
+BOUND_S = 0.5
+
+
+def seconds_taken(call) -> float:
+    """CPU seconds `call()` took, or 5.0 if it was still running after 5 s."""
+    start = time.process_time()
+    finished = run_with_time_limit(lambda: [call()], 5.0)
+    return time.process_time() - start if finished is not None else 5.0
+
+
+@pytest.mark.parametrize("case", sorted(adversarial(10)))
+def test_adversarial_inputs_are_scored_in_bounded_time(case, monkeypatch):
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # our code's time, not sympy's
+    small, large = adversarial(100_000)[case], adversarial(1_000_000)[case]
+    times = {name: seconds_taken(lambda: fn(small)) for name, fn in UNCAPPED.items()}
+    times |= {name: seconds_taken(lambda: fn(large)) for name, fn in CAPPED.items()}
+    slow = {name: round(t, 3) for name, t in times.items() if t >= BOUND_S}
+    assert not slow, f"{case}: calls over {BOUND_S} s: {slow}"
+
+
+def test_reported_long_gold_is_fast():
+    gold = "5" + " abc" * 16000 + "!"  # > 40 s before
+    assert seconds_taken(lambda: reward("#### 5", gold)) < BOUND_S
+    assert seconds_taken(lambda: parse_number(gold)) < BOUND_S
+    assert reward("#### 5", gold) == 0.0 and parse_number(gold) is None
+
+
+def test_unit_words_are_stripped_as_by_the_old_regex():
+    old = re.compile(r"(?:\s+[A-Za-z][A-Za-z/]*)+$")  # the quadratic original, kept as the spec
+    rng = random.Random(0)
+    pieces = ["5", "12", " ", "  ", "\t", "\u00a0", "a", "km", "/", "h", "x2", ".", "-", "{"]
+    for _ in range(20_000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 8))).strip()
+        assert _strip_unit_words(text) == old.sub("", text), repr(text)
+    assert _strip_unit_words("12 apples") == "12"
+    assert _strip_unit_words("5 km/h") == "5"
+    assert _strip_unit_words("5x") == "5x"
+
+
+def test_last_boxed_matches_braces_like_a_counter():
+    assert last_boxed(r"\boxed{a} } \boxed{b") == "a"  # the last box is open: the one before
+    assert last_boxed(r"} \boxed{x}") == "x"  # an unmatched } before a box changes nothing
+    assert last_boxed(r"\boxed{a{b} \boxed{c}") == "c"
+    assert last_boxed(r"\boxed{a{b}c} \boxed{d") == "a{b}c"
+    assert last_boxed(r"\boxed{a{b}") is None
+    assert last_boxed("no box") is None
+
+
+def test_huge_numbers_never_raise():
+    huge = "1" * 5000  # Python's int() refuses more than 4300 digits
+    assert reward("#### 5", huge) == 0.0
+    assert reward(huge, "5") == 0.0
+    assert reward("#### " + huge, "5", max_chars=10_000) == 0.0
+    assert reward("#### " + huge, huge, max_chars=10_000) == 1.0  # equal as text
+    assert extract_answer(huge, max_chars=10_000) is None
+    assert equations_correct(f"{huge} + 1 = 2", max_chars=10_000) is False
+    assert answers_equal(huge, huge[:-1] + "2") is False
+    assert parse_number("1" * MAX_DIGITS) is not None
+    assert parse_number("1" * (MAX_DIGITS + 1)) is None
+    assert parse_number(rf"\frac{{{'1' * 600}}}{{{'3' * 600}}}") is None  # digits of both parts count
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["1e999999999", "1e-999999999", "10**999999999", "9^{9^{9}}", "nan", "NaN", "inf", "-inf",
+     "Infinity", "1_000", "0x1F", "1/0", "0/0", "\u0663", "\U0001d7d1"],
+)
+def test_odd_numbers_are_text_or_numbers_never_errors(text):
+    number = parse_number(text)
+    assert number is None or isinstance(number.value.numerator, int)
+    for completion, gold in [(f"#### {text}", "5"), ("#### 5", text), (rf"\boxed{{{text}}}", text)]:
+        assert reward(completion, gold, timeout_s=0.2) in (0.0, 1.0)
+    assert parse_number("1e5") is None and parse_number("nan") is None and parse_number("inf") is None
+
+
+def test_braced_thousands_separator():
+    assert reward(r"\boxed{1{,}234}", "1234") == 1.0
+    assert reward(r"\boxed{1{,}234{,}567}", "1234567") == 1.0
+    assert reward("The total is $1{,}234$.", "1234") == 1.0  # the last-number fallback too
+    assert reward(r"\boxed{\frac{1{,}000}{8}}", "125") == 1.0
+    assert extract_answer(r"\boxed{1{,}2345}") == "1,2345"  # malformed, like "1,2345": text
+    # Unchanged: "," and "\," separate thousands, a plain space does not.
+    assert reward(r"\boxed{1,234}", "1234") == 1.0
+    assert reward(r"\boxed{1\,234}", "1234") == 1.0
+    assert reward(r"\boxed{1 234}", "1234") == 0.0
+    assert extract_answer(r"\boxed{1 234}") == "1 234"
+
+
+def test_empty_answers_never_match():
+    assert reward("#### $", "$") == 0.0  # both clean to "": 1.0 before
+    assert reward(r"\boxed{\,}", "%") == 0.0
+    assert answers_equal("", "") is False
+    assert answers_equal("5", "") is False
+
+
+def test_gold_longer_than_what_is_read_never_matches():
+    gold = "x" * (MAX_CHARS + 1)
+    assert reward(f"#### {gold}", gold, max_chars=10 * MAX_CHARS) == 1.0
+    assert reward(f"#### {gold}", gold) == 0.0  # the completion's answer is read from its last MAX_CHARS
+
+
+def test_check_gold():
+    for good in ["72", "1000", "-3", "7/2", "3.5", r"\sqrt{2}", "x+1", "12 apples", "1/0", "1" * MAX_DIGITS]:
+        check_gold(good)
+    for bad, message in [
+        ("", "empty"),
+        ("  ", "empty"),
+        ("$", "empty"),
+        ("1" * (MAX_DIGITS + 1), f"{MAX_DIGITS + 1} digits"),
+        ("-" + "9" * 1500 + " apples", "1500 digits"),
+        ("x" * (MAX_CHARS + 1), f"{MAX_CHARS + 1} characters"),
+        (5, "must be a string"),
+    ]:
+        with pytest.raises(ValueError, match=message) as err:
+            check_gold(bad)
+        assert "\n" not in str(err.value) and len(str(err.value)) < 200
+
+
+def test_time_limit_that_cannot_fire_runs_nothing():
+    calls = []
+    for seconds in (0, 0.0, -1.0, float("nan")):  # a zero timer never fires; a negative one raised
+        assert run_with_time_limit(lambda: calls.append(1), seconds) is None
+    assert calls == []
+    pytest.importorskip("math_verify")
+    assert reward(r"\boxed{2^{1/2}}", r"\sqrt{2}", timeout_s=0) == 0.0  # text comparison only
+    assert reward(r"\boxed{\sqrt{2}}", r"\sqrt{2}", timeout_s=-1) == 1.0

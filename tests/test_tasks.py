@@ -3,6 +3,7 @@
 import json
 import re
 import sys
+import types
 from itertools import islice
 
 import pytest
@@ -103,6 +104,19 @@ def test_arith_knobs():
         take(make_task("arith:ops=-,steps=4,max_operand=3"), 0, 1)  # 4 subtractions from <= 3
     assert make_task("arith:steps=3", steps=1) == ArithTask(steps=1)  # kwargs override
     assert make_task("arith:max_operand=50").describe()["max_operand"] == 50
+
+
+def test_arith_rejects_knobs_with_unreadable_answers():
+    task = make_task("arith:steps=3,max_operand=99,max_factor=9")
+    bound = task.max_answer_digits()
+    assert all(len(p.answer.lstrip("-")) <= bound for p in take(task, 0, 500))
+    # 200 steps of up to x10^30: answers of ~6,000 digits, which raised Python's
+    # 4300-digit error when a problem was drawn, mid-training.
+    with pytest.raises(ValueError, match=r"arith: .*6002 digits.* at most 1000"):
+        make_task("arith:steps=200,max_factor=1000000000000000000000000000000")
+    with pytest.raises(ValueError, match="digits"):
+        ArithTask(steps=10**4, max_operand=10**999, ops="+")
+    ArithTask(steps=10, max_operand=10**900)  # big but readable
 
 
 def test_arith_tiny_space_terminates():
@@ -213,6 +227,44 @@ def test_gsm8k_malformed_line_names_file_and_line(tmp_path, bad_line, message):
     assert f"{path}, line 4" in str(err.value)  # 2 rows, a blank line, then the bad one
 
 
+@pytest.mark.parametrize(
+    "bad_line, message",
+    [
+        # Each made training abort, naming no file or line, or loaded a row no completion could match.
+        (json.dumps({"question": "q", "answer": "#### " + "1" * 5000}), "unusable final answer.*5000 digits"),
+        (json.dumps({"question": "q", "answer": "so\n#### $"}), "unusable final answer.*empty"),
+        (json.dumps({"question": "q", "answer": "#### " + "x" * 3000}), "3000 characters"),
+        ('{"question": "q", "answer": ' + "1" * 5000 + "}", r"unreadable JSON \(Exceeds the limit"),
+        ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    ],
+)
+def test_gsm8k_unusable_line_is_rejected_at_load(tmp_path, bad_line, message):
+    path = write_jsonl(tmp_path / "broken.jsonl", ROWS[:2], extra_lines=["", bad_line])
+    with pytest.raises(ValueError, match=message) as err:
+        make_task(f"gsm8k:{path}")
+    assert str(err.value).startswith(f"{path}, line 4: ")
+    assert "\n" not in str(err.value) and len(str(err.value)) < 300
+
+
+def test_gsm8k_invalid_utf8_names_the_line(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b"\n".join([json.dumps(r).encode() for r in ROWS[:2]] + [b'{"question": "caf\xe9"}', b""]))
+    with pytest.raises(ValueError, match=r"latin1\.jsonl, line 3: not UTF-8"):
+        read_gsm8k(path)
+    crlf = tmp_path / "crlf.jsonl"
+    crlf.write_bytes(b"\r\n".join(json.dumps(r).encode() for r in ROWS) + b"\r\n")
+    assert read_gsm8k(crlf) == read_gsm8k(write_jsonl(tmp_path / "lf.jsonl", ROWS))
+
+
+def test_gsm8k_parquet_unusable_answer_names_the_row(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    path = tmp_path / "huge.parquet"
+    pq.write_table(pa.Table.from_pylist(ROWS[:2] + [{"question": "q", "answer": "#### " + "9" * 4400}]), path)
+    with pytest.raises(ValueError, match=r"huge\.parquet, row 3: .*4400 digits"):
+        read_gsm8k(path)
+
+
 def test_gsm8k_missing_file_names_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
         make_task(f"gsm8k:{tmp_path / 'nope.jsonl'}")
@@ -272,3 +324,33 @@ def test_reasoning_gym_adapter():
     assert all(p.solution == f"#### {p.answer}" for p in plain)
     with pytest.raises(ValueError):
         make_task("reasoning-gym:no_such_dataset")
+
+
+def fake_reasoning_gym(monkeypatch, answers):
+    """Install a stand-in `reasoning_gym` whose entry i of seed s has answer answers[(s + i) % n]."""
+
+    def create_dataset(name, *, seed, size, **options):
+        return [
+            {"question": f"{name} q{seed}-{i}?", "answer": answers[(seed + i) % len(answers)], "metadata": {}}
+            for i in range(size)
+        ]
+
+    monkeypatch.setitem(sys.modules, "reasoning_gym", types.SimpleNamespace(create_dataset=create_dataset))
+
+
+def test_reasoning_gym_drops_entries_with_unusable_answers(monkeypatch):
+    # 10**5000 is an int that str() refuses: it raised mid-training before.
+    fake_reasoning_gym(monkeypatch, [7, 10**5000, "", "12", "$", "9" * 1500])
+    task = make_task("reasoning-gym:fake")
+    problems = take(task, 0, 300) + task.test_problems(20)
+    assert {p.answer for p in problems} == {"7", "12"}
+    assert all(reward(p.solution, p.answer) == 1.0 for p in problems)
+
+
+def test_reasoning_gym_unusable_first_entry_fails_at_load(monkeypatch):
+    fake_reasoning_gym(monkeypatch, ["$", 1])
+    with pytest.raises(ValueError, match=r"reasoning-gym fake: first entry \(seed 0\): gold answer '\$' is empty"):
+        make_task("reasoning-gym:fake")
+    fake_reasoning_gym(monkeypatch, [10**5000, 1])
+    with pytest.raises(ValueError, match="reasoning-gym fake: first entry .* cannot be written out"):
+        make_task("reasoning-gym:fake")

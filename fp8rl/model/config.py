@@ -8,7 +8,10 @@ forward pass depends on; `from_hf_dict` rejects architectures it cannot run.
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -42,15 +45,23 @@ class ModelConfig:
             raise ValueError(
                 f"unknown architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            _check_size(name, getattr(self, name))
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
             )
-        if self.rope_scaling is not None and self.rope_scaling.get("rope_type", "default") not in (
-            "llama3",
-            "default",
-        ):
-            raise ValueError(f"unsupported rope_scaling {self.rope_scaling!r} (supported: llama3)")
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"head_dim={self.head_dim} is odd; rotary embeddings need an even head_dim")
+        _check_positive("rms_norm_eps", self.rms_norm_eps)
+        _check_positive("rope_theta", self.rope_theta)
+        if self.rope_scaling is not None:
+            _check_rope_scaling(self.rope_scaling)
+        for name in ("bos_token_id", "eos_token_id"):
+            ids = getattr(self, name)
+            if not (ids is None or _is_int(ids) or (isinstance(ids, list) and all(_is_int(i) for i in ids))):
+                raise ValueError(f"{name} must be an integer token id (or a list of them), got {ids!r}")
 
     @property
     def eos_ids(self) -> list[int]:
@@ -62,6 +73,8 @@ class ModelConfig:
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         """Build from a transformers `config.json` dict (Llama, Qwen2, Qwen3)."""
         archs = d.get("architectures") or []
+        if not isinstance(archs, list):
+            raise ValueError(f"architectures must be a list of class names, got {archs!r}")
         arch = archs[0] if archs else {
             "llama": "LlamaForCausalLM",
             "qwen2": "Qwen2ForCausalLM",
@@ -75,9 +88,21 @@ class ModelConfig:
             # In HF Llama/Qwen3 attention_bias also puts a bias on o_proj (and mlp_bias on the
             # MLP), which the decoder does not have: refuse rather than drop weights.
             raise ValueError(f"{arch} with attention_bias/mlp_bias=true is not supported")
-        num_heads = d["num_attention_heads"]
-        head_dim = d.get("head_dim") or d["hidden_size"] // num_heads
+        # The HF names, checked here so that an error names the key as config.json spells it.
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            _check_size(key, d[key])
+        num_heads, hidden = d["num_attention_heads"], d["hidden_size"]
+        head_dim = d.get("head_dim")
+        if head_dim is None:
+            if hidden % num_heads != 0:
+                raise ValueError(
+                    f"hidden_size={hidden} is not a multiple of num_attention_heads={num_heads} "
+                    "(and there is no head_dim)"
+                )
+            head_dim = hidden // num_heads
         rope_scaling = d.get("rope_scaling")
+        if not (rope_scaling is None or isinstance(rope_scaling, dict)):
+            raise ValueError(f"rope_scaling must be an object or null, got {rope_scaling!r}")
         rope_theta = d.get("rope_theta")
         # transformers >= 5 moves theta and scaling into `rope_parameters`.
         rp = d.get("rope_parameters")
@@ -85,6 +110,8 @@ class ModelConfig:
             rope_theta = rp.get("rope_theta", rope_theta)
             if rp.get("rope_type", "default") != "default":
                 rope_scaling = {k: v for k, v in rp.items() if k != "rope_theta"}
+        rope_theta = 10000.0 if rope_theta is None else rope_theta
+        _check_positive("rope_theta", rope_theta)
         if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
             rope_scaling = None
         if rope_scaling is not None and "rope_type" not in rope_scaling:
@@ -102,11 +129,11 @@ class ModelConfig:
             intermediate_size=d["intermediate_size"],
             num_layers=d["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=d.get("num_key_value_heads") or num_heads,
+            num_kv_heads=num_heads if d.get("num_key_value_heads") is None else d["num_key_value_heads"],
             head_dim=head_dim,
             architecture=arch,
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
@@ -153,3 +180,50 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+# --------------------------------------------------------------------- helpers
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON object file (config.json, tokenizer_config.json, ...); every way it
+    can be unreadable is a one-line ValueError that names the file."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not a UTF-8 text file (byte {e.start}); is it corrupt?") from e
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON (line {e.lineno}, column {e.colno}): {e.msg}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, found {type(data).__name__}")
+    return data
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)  # JSON true is not a size
+
+
+def _check_size(name: str, value: Any) -> None:
+    """A dimension or count: an integer in [1, 2**31) (larger ones are corrupt files, not models)."""
+    if not _is_int(value) or not 0 < value < 2**31:
+        raise ValueError(f"{name} must be a positive integer below 2**31, got {value!r}")
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+
+
+def _check_rope_scaling(rs: Any) -> None:
+    if not isinstance(rs, dict):
+        raise ValueError(f"rope_scaling must be an object or null, got {rs!r}")
+    if rs.get("rope_type", "default") not in ("llama3", "default"):
+        raise ValueError(f"unsupported rope_scaling {rs!r} (supported: llama3)")
+    if rs.get("rope_type") == "llama3":
+        for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            if key not in rs:
+                raise ValueError(f"llama3 rope_scaling has no {key!r}")
+            _check_positive(f"rope_scaling.{key}", rs[key])
+        if rs["high_freq_factor"] <= rs["low_freq_factor"]:
+            raise ValueError(
+                f"llama3 rope_scaling needs high_freq_factor > low_freq_factor, got {rs['high_freq_factor']} "
+                f"and {rs['low_freq_factor']}"
+            )

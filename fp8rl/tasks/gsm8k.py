@@ -7,7 +7,10 @@ The `answer` field is a worked solution ending with `#### N`, as in GSM8K:
 
 The `<<48/2=24>>` calculator annotations are stripped from the solution (knob
 `strip_calculator`), and thousands commas from the final answer ("1,000" ->
-"1000").
+"1000"). A row whose final answer the reward could never match (a number of
+more than `rewards.MAX_DIGITS` digits, nothing but "$", ...; see
+`rewards.check_gold`) is an error at load time, like a malformed row: the
+message names the file and the line (JSONL) or row (Parquet).
 
 Held-out split (`test_problems`):
 - `gsm8k:TRAIN,test=TEST`: the test file is the held-out set, all of TRAIN trains;
@@ -27,6 +30,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from fp8rl.tasks import Problem
+from fp8rl.tasks.rewards import check_gold
 from fp8rl.tasks.rewards import reward as final_answer_reward
 
 _CALCULATOR = re.compile(r"<<[^<>]*>>")
@@ -43,7 +47,11 @@ def to_problem(question: Any, answer: Any, *, strip_calculator: bool = True) -> 
         raise ValueError("'answer' has no '#### N' final line")
     final = final.strip().replace(",", "")
     if not final or "\n" in final:
-        raise ValueError(f"'answer' has an empty or multi-line final answer after '####': {final!r}")
+        raise ValueError(f"'answer' has an empty or multi-line final answer after '####': {final[:60]!r}")
+    try:
+        check_gold(final)
+    except ValueError as err:
+        raise ValueError(f"'answer' has an unusable final answer after '####': {err}") from None
     if strip_calculator:
         body = _CALCULATOR.sub("", body)
     body = body.rstrip()
@@ -80,14 +88,23 @@ def read_gsm8k(path: str | Path, *, strip_calculator: bool = True) -> list[Probl
 
 
 def _read_jsonl_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+    """(1-based line number, object) for each non-blank line; lines end at "\\n"."""
+    with path.open("rb") as f:  # bytes, so that a decoding error can name its line
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{path}, line {number}: not UTF-8 ({err.reason} at byte {err.start})") from None
             if not line.strip():
                 continue  # blank lines (a trailing newline) are not rows
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}, line {number}: invalid JSON ({err.msg})") from None
+            except ValueError as err:  # an integer literal past Python's 4300-digit limit
+                raise ValueError(f"{path}, line {number}: unreadable JSON ({err})") from None
+            except RecursionError:
+                raise ValueError(f"{path}, line {number}: JSON nested too deeply") from None
             if not isinstance(row, dict):
                 raise ValueError(f"{path}, line {number}: not a JSON object")
             yield number, row

@@ -9,15 +9,22 @@ solution when its metadata has one (`answer_cot` in gsm_symbolic), else just
 `#### answer`. Train and test are split by a hash of the question, as in
 `arith`, so they never overlap. Rewards use `fp8rl.tasks.rewards`, which suits
 datasets with numeric answers; other datasets need their own scorer.
+
+Entries whose answer that reward could never match (`rewards.check_gold`: a
+number of more than `rewards.MAX_DIGITS` digits, an empty answer, ...) are
+dropped from both streams; if the dataset's first entry is one, the task
+fails to load, before any training.
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any, Iterator
 
 from fp8rl.tasks import Problem, in_test_split
+from fp8rl.tasks.rewards import check_gold
 from fp8rl.tasks.rewards import reward as final_answer_reward
 
 # Metadata keys that hold a worked solution in some reasoning-gym datasets.
@@ -37,8 +44,14 @@ def _import_reasoning_gym() -> Any:
 
 
 def entry_to_problem(entry: dict[str, Any]) -> Problem:
-    """Convert one reasoning-gym entry ({'question', 'answer', 'metadata'}) to a Problem."""
-    answer = str(entry["answer"]).strip()
+    """Convert one reasoning-gym entry ({'question', 'answer', 'metadata'}) to a Problem.
+
+    Raises ValueError if the reward could not use its answer (`rewards.check_gold`)."""
+    try:
+        answer = str(entry["answer"]).strip()
+    except ValueError as err:  # an int past Python's 4300-digit conversion limit
+        raise ValueError(f"answer cannot be written out: {err}") from None
+    check_gold(answer)
     metadata = entry.get("metadata") or {}
     body = ""
     for key in SOLUTION_KEYS:
@@ -69,7 +82,13 @@ class ReasoningGymTask:
     def __post_init__(self) -> None:
         if isinstance(self.test_fraction, bool) or not 0.0 < self.test_fraction < 1.0:
             raise ValueError(f"reasoning-gym: test_fraction must be in (0, 1), got {self.test_fraction!r}")
-        self._chunk(0, size=1)  # fail now, with the library's message, on a bad name or option
+        # Fail now, not mid-training: with the library's message on a bad name or
+        # option, with ours if the answers are unusable.
+        for entry in islice(self._entries(seed=0, size=1), 1):
+            try:
+                entry_to_problem(entry)
+            except ValueError as err:
+                raise ValueError(f"reasoning-gym {self.dataset}: first entry (seed 0): {err}") from None
 
     @classmethod
     def from_options(cls, dataset: str, options: dict[str, Any]) -> "ReasoningGymTask":
@@ -78,10 +97,19 @@ class ReasoningGymTask:
         test_fraction = options.pop("test_fraction", 0.1)
         return cls(dataset=dataset, options=options, test_fraction=test_fraction)
 
-    def _chunk(self, seed: int, size: int = CHUNK) -> list[Problem]:
+    def _entries(self, seed: int, size: int) -> Any:
         rg = _import_reasoning_gym()
-        data = rg.create_dataset(self.dataset, seed=seed, size=size, **self.options)
-        return [entry_to_problem(entry) for entry in data]
+        return rg.create_dataset(self.dataset, seed=seed, size=size, **self.options)
+
+    def _chunk(self, seed: int, size: int = CHUNK) -> list[Problem]:
+        """The usable problems among `size` seeded entries (see `entry_to_problem`)."""
+        problems = []
+        for entry in self._entries(seed, size):
+            try:
+                problems.append(entry_to_problem(entry))
+            except ValueError:
+                continue  # an answer the reward cannot score: not worth training on
+        return problems
 
     def _split_chunks(self, seed: int, want_test: bool) -> Iterator[list[Problem]]:
         """Endless seeded chunks, each filtered to one side of the hash split."""

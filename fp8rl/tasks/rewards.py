@@ -5,8 +5,9 @@
     reward("0.1+0.2", "0.3")                     -> 0.0   (expressions are never evaluated)
 
 Extraction prefers, in order: the last `#### N` line, the last `\\boxed{...}`,
-then the last number in the text. Numbers are normalised ("1,000" -> "1000",
-"3.50" -> "3.5", "\\frac{7}{2}" -> "7/2", "$12." -> "12", "12 apples" -> "12").
+then the last number in the text. Numbers are normalised ("1,000" and
+"1{,}000" -> "1000", "3.50" -> "3.5", "\\frac{7}{2}" -> "7/2", "$12." -> "12",
+"12 apples" -> "12"); "1 000" is not a number.
 
 Comparison is exact arithmetic on Fractions (with a 1e-6 relative tolerance
 when either side is written as a decimal). A numeric gold answer needs a
@@ -15,6 +16,14 @@ learn to skip the computation. Only a non-numeric gold answer ("\\sqrt{2}",
 "x+1") goes to math-verify, if installed, restricted to its LaTeX parser and
 run under a time limit. Model output is never run as code (no eval, exec or
 sympify of raw text), and only its last `max_chars` characters are read.
+
+Bounded work, no exceptions: apart from the math-verify call (under its time
+limit), every function here takes time linear in its input (no regex retries
+more than one word or number per start), a gold answer longer than `max_chars`
+never matches, and a number written with more than MAX_DIGITS digits is not
+read as a number (Python's int() refuses more than 4,300). So `reward` returns
+0.0 or 1.0, soon, for any pair of strings. `check_gold` tells a task loader
+which gold answers could never be matched.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from fractions import Fraction
 from typing import Callable, Iterator, NamedTuple, Sequence, TypeVar
 
 MAX_CHARS = 2000  # the final answer sits at the end; reading less bounds the work
+MAX_DIGITS = 1000  # longer numbers are text, not numbers: int() stops at 4300 digits
 
 # A plain number: 1,000 (thousands commas) | 42 | with optional .5 decimals | .5
 _NUM = r"(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)"
@@ -43,7 +53,10 @@ _ANY_NUMBER = re.compile(
 )
 _TEXT_WRAPPER = re.compile(r"\\(?:text|textbf|textrm|mathrm|mathbf|mbox)\s*\{([^{}]*)\}")
 _NOISE = re.compile(r"\\\$|\$|\\%|%|\\[!,;: ]|\^\{?\\circ\}?|\\left|\\right|\\displaystyle")
-_TRAILING_WORDS = re.compile(r"(?:\s+[A-Za-z][A-Za-z/]*)+$")  # " apples", " km/h"
+# Trailing unit words (" apples", " km/h"), matched on the REVERSED text from its
+# start: the forward pattern r"(?:\s+[A-Za-z][A-Za-z/]*)+$" is retried from every
+# space and so takes time quadratic in the number of words.
+_UNIT_WORDS_REVERSED = re.compile(r"(?:[A-Za-z/]*[A-Za-z]\s+)+")
 
 
 class Number(NamedTuple):
@@ -53,10 +66,15 @@ class Number(NamedTuple):
     decimal: bool
 
 
+def _plain(text: str) -> str:
+    """Unicode minus -> "-", and LaTeX's braced comma "{,}" (1{,}234) -> ","."""
+    return text.replace("\u2212", "-").replace("{,}", ",")
+
+
 def _clean(text: str) -> str:
     """Strip what surrounds an answer: $, %, \\text{...} wrappers, LaTeX spacing,
-    a `x =` prefix, trailing periods and whitespace."""
-    text = text.replace("\u2212", "-")  # unicode minus
+    a `x =` prefix, trailing periods and whitespace (after `_plain`)."""
+    text = _plain(text)
     text = _TEXT_WRAPPER.sub(r" \1 ", text)
     text = _NOISE.sub("", text)
     if "=" in text:
@@ -64,23 +82,44 @@ def _clean(text: str) -> str:
     return text.strip().rstrip(".").strip()
 
 
+def _strip_unit_words(text: str) -> str:
+    """`text` without its trailing words, each whitespace then a letter then letters
+    or "/": "12 apples" -> "12", "5 km/h" -> "5", "5x" and "5 m2" unchanged."""
+    match = _UNIT_WORDS_REVERSED.match(text[::-1])
+    return text[: len(text) - match.end()] if match else text
+
+
+def _count_digits(text: str) -> int:
+    return sum(char.isdigit() for char in text)
+
+
+def _number_parts(text: str) -> tuple[str, str, str | None] | None:
+    """(sign, numerator, denominator or None), as written, if `text` has the
+    shape of one number once cleaned and stripped of unit words; else None."""
+    cleaned = _clean(text)
+    match = _WHOLE_NUMBER.fullmatch(cleaned) or _WHOLE_NUMBER.fullmatch(_strip_unit_words(cleaned))
+    if match is None:
+        return None
+    if match["num"] is not None:
+        return match["sign"], match["num"], match["den"]
+    sign = "-" if (match["sign"] == "-") != (match["fsign"] == "-") else ""
+    return sign, match["fnum"], match["fden"]
+
+
 def parse_number(text: str) -> Number | None:
     """Read `text` as one number (integer, decimal, a/b or \\frac{a}{b}), else None.
 
     Allows the decorations `_clean` removes and trailing unit words
-    ("12 apples"). Anything else, such as "3+4" or "1/0", is not a number.
+    ("12 apples"). Anything else, such as "3+4" or "1/0", is not a number, nor
+    is one written with more than MAX_DIGITS digits (numerator and denominator
+    together), nor "1e5", "inf" or "nan".
     """
-    cleaned = _clean(text)
-    match = _WHOLE_NUMBER.fullmatch(cleaned) or _WHOLE_NUMBER.fullmatch(
-        _TRAILING_WORDS.sub("", cleaned)
-    )
-    if match is None:
+    parts = _number_parts(text)
+    if parts is None:
         return None
-    if match["num"] is not None:
-        sign, num, den = match["sign"], match["num"], match["den"]
-    else:
-        sign = "-" if (match["sign"] == "-") != (match["fsign"] == "-") else ""
-        num, den = match["fnum"], match["fden"]
+    sign, num, den = parts
+    if _count_digits(num + (den or "")) > MAX_DIGITS:
+        return None
     value = Fraction(num.replace(",", ""))
     if den is not None:
         divisor = Fraction(den.replace(",", ""))
@@ -117,14 +156,29 @@ def normalize_answer(text: str) -> str:
     return format_number(number) if number is not None else _clean(text)
 
 
+def _closing_braces(text: str) -> dict[int, int]:
+    """{position of a "{": position of the "}" that closes it}, for every closed
+    brace, in one pass. An unmatched "}" closes nothing."""
+    closing: dict[int, int] = {}
+    open_at: list[int] = []
+    for match in re.finditer(r"[{}]", text):
+        if match[0] == "{":
+            open_at.append(match.start())
+        elif open_at:
+            closing[open_at.pop()] = match.start()
+    return closing
+
+
 def last_boxed(text: str) -> str | None:
     """Content of the last complete `\\boxed{...}` (or `\\fbox{...}`), nested braces allowed."""
-    for match in reversed(list(re.finditer(r"\\(?:boxed|fbox)\s*\{", text))):
-        depth = 1
-        for i in range(match.end(), len(text)):
-            depth += {"{": 1, "}": -1}.get(text[i], 0)
-            if depth == 0:
-                return text[match.end() : i]
+    boxes = list(re.finditer(r"\\(?:boxed|fbox)\s*\{", text))
+    if not boxes:
+        return None
+    closing = _closing_braces(text)
+    for match in reversed(boxes):
+        end = closing.get(match.end() - 1)
+        if end is not None:
+            return text[match.end() : end]
     return None
 
 
@@ -134,7 +188,7 @@ def extract_answer(text: str, *, max_chars: int = MAX_CHARS) -> str | None:
     Looks at the last `max_chars` characters only, and prefers the last
     `#### N`, then the last `\\boxed{...}`, then the last number.
     """
-    text = text[-max_chars:].replace("\u2212", "-")  # unicode minus
+    text = _plain(text[-max_chars:])
     if "####" in text:
         final = text.rpartition("####")[2].split("\n", 1)[0]
         if final.strip():
@@ -160,7 +214,7 @@ def _squash(text: str) -> str:
     return re.sub(r"\s+", "", _clean(text))
 
 
-def answers_equal(pred: str, gold: str, *, timeout_s: float = 1.0) -> bool:
+def answers_equal(pred: str, gold: str, *, timeout_s: float = 1.0, max_chars: int = MAX_CHARS) -> bool:
     """Whether an extracted answer matches the gold answer.
 
     Numeric gold: exact Fraction comparison (1e-6 relative if a decimal is
@@ -168,35 +222,68 @@ def answers_equal(pred: str, gold: str, *, timeout_s: float = 1.0) -> bool:
     text after cleaning, else math-verify's LaTeX equivalence when installed,
     within `timeout_s` seconds (and only in the main thread, where a timer
     signal can interrupt it; elsewhere the text comparison decides).
+    Never equal: an answer longer than `max_chars`, or a gold answer with
+    nothing left after cleaning ("", "$").
     """
+    if len(pred) > max_chars or len(gold) > max_chars:
+        return False
     gold_number = parse_number(gold)
     if gold_number is not None:
         pred_number = parse_number(pred)
         return pred_number is not None and _close(pred_number, gold_number)
+    if not _squash(gold):
+        return False
     if _squash(pred) == _squash(gold):
         return True
     return _math_verify_equal(_clean(pred), _clean(gold), timeout_s)
 
 
 def reward(completion: str, gold: str, *, timeout_s: float = 1.0, max_chars: int = MAX_CHARS) -> float:
-    """1.0 if the completion's final answer equals `gold`, else 0.0."""
+    """1.0 if the completion's final answer equals `gold`, else 0.0 (see
+    `extract_answer`, `answers_equal`); 0.0 for a gold answer longer than `max_chars`."""
     pred = extract_answer(completion, max_chars=max_chars)
     if pred is None:
         return 0.0
-    return 1.0 if answers_equal(pred, gold, timeout_s=timeout_s) else 0.0
+    return 1.0 if answers_equal(pred, gold, timeout_s=timeout_s, max_chars=max_chars) else 0.0
 
 
-_EQUATION = re.compile(r"(-?\d+)\s*([-+*x×])\s*(-?\d+)\s*=\s*(-?\d+)")
+def check_gold(answer: str, *, max_chars: int = MAX_CHARS) -> None:
+    """Raise ValueError, with a one-line reason, if `reward` could never give
+    `answer` as the gold answer a 1.0: it is not a string, has nothing left after
+    cleaning ("", "$"), has the shape of a number with more than MAX_DIGITS
+    digits (so is read as text, which no extracted answer matches), or is longer
+    than `max_chars` (no longer answer is read from a completion)."""
+    if not isinstance(answer, str):
+        raise ValueError(f"gold answer must be a string, got {type(answer).__name__}")
+    if not _squash(answer):
+        raise ValueError(f"gold answer {answer[:60]!r} is empty once $, %, \\text and spacing are removed")
+    parts = _number_parts(answer)
+    if parts is not None:
+        digits = _count_digits(parts[1] + (parts[2] or ""))
+        if digits > MAX_DIGITS:
+            raise ValueError(f"gold answer is a number with {digits} digits; at most {MAX_DIGITS} are read")
+    if len(answer) > max_chars:
+        raise ValueError(
+            f"gold answer is {len(answer)} characters long; at most {max_chars} are read from a completion"
+        )
+
+
+# The first number never starts inside a run of digits: a match from there would
+# also match from the run's start, and retrying every digit is quadratic.
+_EQUATION = re.compile(r"(-?(?<!\d)\d+)\s*([-+*x×])\s*(-?\d+)\s*=\s*(-?\d+)")
 
 
 def equations_correct(text: str, *, max_chars: int = MAX_CHARS) -> bool:
     """True if `text` shows at least one integer equation `a op b = c` (op one of
     + - * x ×) and every such equation is arithmetically right. Parsed with a
-    regex and computed with Python ints: nothing is evaluated."""
+    regex and computed with Python ints: nothing is evaluated. An equation with
+    a number of more than MAX_DIGITS digits cannot be checked: False."""
     found = _EQUATION.findall(text[-max_chars:])
     if not found:
         return False
     for a, op, b, c in found:
+        if max(len(n.lstrip("-")) for n in (a, b, c)) > MAX_DIGITS:
+            return False
         x, y = int(a), int(b)
         value = x + y if op == "+" else x - y if op == "-" else x * y
         if value != int(c):
@@ -239,11 +326,14 @@ def run_with_time_limit(fn: Callable[[], T], seconds: float) -> T | None:
     """`fn()`, or None if it runs past `seconds` or cannot be timed.
 
     Uses the real-time interval timer (SIGALRM), which only the main thread
-    receives: elsewhere it returns None without calling `fn`. An outer timer
+    receives: elsewhere, or when `seconds` is not positive (a zero timer would
+    never fire), it returns None without calling `fn`. An outer timer
     already running (pytest-timeout, a supervisor) is honoured and re-armed
     with its remaining time afterwards.
     """
     if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        return None
+    if not seconds > 0:  # also NaN
         return None
 
     def on_alarm(signum: int, frame: object) -> None:

@@ -222,6 +222,8 @@ def cmd_sft(args: argparse.Namespace) -> int:
     cfg = _run_config(args)
     s, out = cfg.sft, Path(cfg.out)
     # save_policy replaces `out`: never a folder sft did not write (a shared config's `out` is a run directory)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"output path {out} is a file, not a folder; choose another --out")
     if out.is_dir() and any(out.iterdir()) and not (out / "sft.json").is_file():
         raise FileExistsError(f"output directory {out} is not empty and holds no sft policy; choose another --out")
     task = make_task(cfg.task)

@@ -94,6 +94,8 @@ def run_compare(
     from fp8rl.train import Trainer
 
     report_dir = Path(report_dir)
+    if report_dir.exists() and not report_dir.is_dir():
+        raise FileExistsError(f"output path {report_dir} is a file, not a folder; choose another --out")
     report_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}
     for v in variants(flows, base.train.correction):

@@ -43,7 +43,7 @@ KILL_POINTS = {
     "writing the first checkpoint's tensors": ("fp8rl.checkpoint:_save_tensors", 1, "after"),
     "first checkpoint whole, not yet renamed": ("fp8rl.checkpoint:_publish", 1, "before"),
     "first checkpoint renamed": ("fp8rl.checkpoint:_publish", 1, "after"),
-    "pruning: old checkpoint renamed away, not deleted": ("fp8rl.checkpoint:_remove_dir", 2, "before"),
+    "pruning: old checkpoint renamed away, not deleted": ("fp8rl.checkpoint:_remove_dir", 1, "before"),
     "pruning: mid-delete of the old checkpoint": ("os:unlink", 3, "after"),
     "during the step-2 evaluation": ("fp8rl.train:Trainer.evaluate", 2, "before"),
     "after the last checkpoint, before summary.json": ("fp8rl.train:write_summary", 1, "before"),

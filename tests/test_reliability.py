@@ -157,3 +157,18 @@ def test_config_json_is_written_atomically(capsys, tmp_path, monkeypatch):
         train(capsys, run, "--steps", "2", "--resume")
     assert (run / "config.json").read_text() == saved
     assert os.path.exists(str(run / "config.json") + ".part")
+
+
+@pytest.mark.parametrize("command", [
+    ["sft", "--set", "sft.steps=1"],
+    ["export", "--model", "tiny-arith"],
+    ["compare", "--flows", "bf16", "--seeds", "0", "--steps", "1"],
+])
+def test_every_command_refuses_an_output_path_that_is_a_file_first(capsys, tmp_path, command):
+    a_file = tmp_path / "file"
+    a_file.write_text("keep me")
+    rc = main([*command, "--out", str(a_file)])
+    captured = capsys.readouterr()
+    assert rc == 2 and "file" in one_line_error(captured.err)
+    assert "sft loss" not in captured.err + captured.out  # refused before any work
+    assert a_file.read_text() == "keep me"

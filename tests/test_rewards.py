@@ -24,10 +24,32 @@ from fp8rl.tasks.rewards import (
     last_boxed,
     normalize_answer,
     parse_number,
+    MATH_VERIFY,
     reward,
-    run_with_time_limit,
     steps_reward,
 )
+
+
+def run_with_time_limit(fn, seconds: float):
+    """`fn()`, or None if it runs past `seconds` (SIGALRM; main thread only):
+    a test's guard against a runaway call in our own (Python-level) code."""
+    class TimeLimit(BaseException):
+        pass
+
+    def on_alarm(signum, frame):
+        raise TimeLimit
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        try:
+            return fn()
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    except TimeLimit:
+        return None
+    finally:
+        signal.signal(signal.SIGALRM, previous)
 
 EXTRACT_CASES = [
     # GSM8K final line
@@ -172,42 +194,30 @@ def test_without_math_verify_text_comparison_decides(monkeypatch):
     assert reward("#### 8", "8") == 1.0
 
 
-def test_math_verify_is_time_limited():
+def test_math_verify_is_time_limited_even_inside_one_c_level_operation():
+    """9^{9^{9^...}} makes sympy spend minutes inside one Python integer power,
+    where no timer signal is delivered (a full test run once hung here): the
+    child process that runs math-verify is killed at the limit instead."""
     pytest.importorskip("math_verify")
-    start = time.perf_counter()
-    assert reward(r"\boxed{9^{9^{9^{9^{9^{9}}}}}}", r"\sqrt{2}", timeout_s=0.3) == 0.0
-    assert time.perf_counter() - start < 2.0
-
-
-def test_time_limit_interrupts_and_restores_outer_timer():
-    def spin() -> int:
-        while True:
-            pass
-
-    previous = signal.getsignal(signal.SIGALRM)
-    outer = signal.getitimer(signal.ITIMER_REAL)[0]
-    if not outer:
-        signal.setitimer(signal.ITIMER_REAL, 100.0)  # stands in for pytest-timeout
-    try:
+    assert reward(r"\boxed{\sqrt{2}}", r"2^{1/2}") == 1.0  # starts the child (imports sympy)
+    first = MATH_VERIFY._proc
+    for _ in range(2):
         start = time.perf_counter()
-        assert run_with_time_limit(spin, 0.05) is None
-        assert time.perf_counter() - start < 1.0
-        assert run_with_time_limit(lambda: 7, 1.0) == 7
-        assert signal.getitimer(signal.ITIMER_REAL)[0] > 0  # outer timer re-armed
-        assert signal.getsignal(signal.SIGALRM) is previous
-    finally:
-        if not outer:
-            signal.setitimer(signal.ITIMER_REAL, 0)
+        assert reward(r"\boxed{9^{9^{9^{9^{9^{9}}}}}}", r"\sqrt{2}", timeout_s=0.3) == 0.0
+        assert time.perf_counter() - start < 2.0
+    assert MATH_VERIFY._proc is None and not first.is_alive()  # killed, not left running
+    assert reward(r"\boxed{\sqrt{2}}", r"2^{1/2}") == 1.0  # a fresh child serves the next call
 
 
-def test_worker_threads_skip_math_verify_but_score_numbers():
+def test_worker_threads_use_math_verify_too():
+    pytest.importorskip("math_verify")
     results = []
     thread = threading.Thread(
         target=lambda: results.extend([reward("#### 7/2", "3.5"), reward(r"\boxed{2^{1/2}}", r"\sqrt{2}")])
     )
     thread.start()
     thread.join()
-    assert results == [1.0, 0.0]
+    assert results == [1.0, 1.0]
 
 
 # ------------------------------------------------------------------ bounded time, no exceptions
@@ -387,11 +397,9 @@ def test_check_gold():
         assert "\n" not in str(err.value) and len(str(err.value)) < 200
 
 
-def test_time_limit_that_cannot_fire_runs_nothing():
-    calls = []
-    for seconds in (0, 0.0, -1.0, float("nan")):  # a zero timer never fires; a negative one raised
-        assert run_with_time_limit(lambda: calls.append(1), seconds) is None
-    assert calls == []
+def test_a_time_limit_that_is_not_positive_skips_math_verify():
     pytest.importorskip("math_verify")
+    for seconds in (0, 0.0, -1.0, float("nan")):
+        assert MATH_VERIFY.equal(r"2^{1/2}", r"\sqrt{2}", seconds) is False
     assert reward(r"\boxed{2^{1/2}}", r"\sqrt{2}", timeout_s=0) == 0.0  # text comparison only
     assert reward(r"\boxed{\sqrt{2}}", r"\sqrt{2}", timeout_s=-1) == 1.0

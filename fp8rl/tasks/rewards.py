@@ -17,8 +17,8 @@ learn to skip the computation. Only a non-numeric gold answer ("\\sqrt{2}",
 run under a time limit. Model output is never run as code (no eval, exec or
 sympify of raw text), and only its last `max_chars` characters are read.
 
-Bounded work, no exceptions: apart from the math-verify call (under its time
-limit), every function here takes time linear in its input (no regex retries
+Bounded work, no exceptions: apart from the math-verify call (a child process
+killed at its time limit), every function here takes time linear in its input (no regex retries
 more than one word or number per start), a gold answer longer than `max_chars`
 never matches, and a number written with more than MAX_DIGITS digits is not
 read as a number (Python's int() refuses more than 4,300). So `reward` returns
@@ -28,14 +28,14 @@ which gold answers could never be matched.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import multiprocessing
 import re
-import signal
 import threading
-import time
-from contextlib import contextmanager
 from fractions import Fraction
-from typing import Callable, Iterator, NamedTuple, Sequence, TypeVar
+from multiprocessing.connection import Connection
+from typing import NamedTuple, Sequence
 
 MAX_CHARS = 2000  # the final answer sits at the end; reading less bounds the work
 MAX_DIGITS = 1000  # longer numbers are text, not numbers: int() stops at 4300 digits
@@ -220,8 +220,8 @@ def answers_equal(pred: str, gold: str, *, timeout_s: float = 1.0, max_chars: in
     Numeric gold: exact Fraction comparison (1e-6 relative if a decimal is
     involved); the prediction must itself be a number. Non-numeric gold: equal
     text after cleaning, else math-verify's LaTeX equivalence when installed,
-    within `timeout_s` seconds (and only in the main thread, where a timer
-    signal can interrupt it; elsewhere the text comparison decides).
+    within `timeout_s` seconds (in a child process killed when it overruns:
+    `MathVerifyProcess`).
     Never equal: an answer longer than `max_chars`, or a gold answer with
     nothing left after cleaning ("", "$").
     """
@@ -314,78 +314,105 @@ def batch_rewards(
 
 # ---------------------------------------------------------------- math-verify
 
-T = TypeVar("T")
 
-
-class _TimeLimit(BaseException):
-    """Raised by the timer signal; a BaseException so that the `except
-    Exception` blocks inside math-verify and sympy cannot swallow it."""
-
-
-def run_with_time_limit(fn: Callable[[], T], seconds: float) -> T | None:
-    """`fn()`, or None if it runs past `seconds` or cannot be timed.
-
-    Uses the real-time interval timer (SIGALRM), which only the main thread
-    receives: elsewhere, or when `seconds` is not positive (a zero timer would
-    never fire), it returns None without calling `fn`. An outer timer
-    already running (pytest-timeout, a supervisor) is honoured and re-armed
-    with its remaining time afterwards.
-    """
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
-        return None
-    if not seconds > 0:  # also NaN
-        return None
-
-    def on_alarm(signum: int, frame: object) -> None:
-        raise _TimeLimit
-
-    outer_left = signal.getitimer(signal.ITIMER_REAL)[0]
-    start = time.monotonic()
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    try:
-        try:
-            signal.setitimer(signal.ITIMER_REAL, min(seconds, outer_left) if outer_left else seconds)
-            return fn()
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)  # may itself be interrupted: outer except
-    except _TimeLimit:
-        return None
-    finally:
-        signal.signal(signal.SIGALRM, previous if previous is not None else signal.SIG_DFL)
-        if outer_left:
-            signal.setitimer(signal.ITIMER_REAL, max(outer_left - (time.monotonic() - start), 1e-3))
-
-
-@contextmanager
-def _quiet_math_verify() -> Iterator[None]:
+def _quiet_math_verify() -> None:
     # With its own (alarm-based) timeouts off, math-verify warns that the caller
-    # must time it; we do, so hide that warning while we call it.
-    loggers = [logging.getLogger(f"math_verify.{m}") for m in ("parser", "grader")]
-    before = [lg.disabled for lg in loggers]
-    for lg in loggers:
-        lg.disabled = True
-    try:
-        yield
-    finally:
-        for lg, was in zip(loggers, before):
-            lg.disabled = was
+    # must time it; we do (the child process is killed), so hide that warning.
+    for name in ("parser", "grader"):
+        logging.getLogger(f"math_verify.{name}").disabled = True
 
 
-def _math_verify_equal(pred: str, gold: str, timeout_s: float) -> bool:
+def _math_verify_child(conn: Connection) -> None:
+    """The child process: import math-verify, say ready, then answer (pred, gold)
+    pairs with True/False until the pipe closes."""
     try:
-        import math_verify  # imported outside the time limit: an interrupted import breaks it
+        import math_verify
     except ImportError:
-        return False
+        conn.send("missing")
+        return
+    _quiet_math_verify()
     # LaTeX only: math-verify's plain-expression parser goes through sympy's
     # parse_expr, which evaluates Python code.
     config = [math_verify.LatexExtractionConfig()]
+    conn.send("ready")
+    while True:
+        try:
+            pred, gold = conn.recv()
+        except EOFError:
+            return
+        try:
+            gold_parsed = math_verify.parse(f"${gold}$", extraction_config=config, parsing_timeout=None)
+            pred_parsed = math_verify.parse(f"${pred}$", extraction_config=config, parsing_timeout=None)
+            same = bool(gold_parsed and pred_parsed
+                        and math_verify.verify(gold_parsed, pred_parsed, timeout_seconds=None))
+        except (ValueError, TypeError, ArithmeticError, RecursionError, MemoryError, AttributeError):
+            same = False  # sympy's failures on odd expressions: not equal
+        conn.send(same)
 
-    def compare() -> bool:
-        gold_parsed = math_verify.parse(f"${gold}$", extraction_config=config, parsing_timeout=None)
-        pred_parsed = math_verify.parse(f"${pred}$", extraction_config=config, parsing_timeout=None)
-        if not gold_parsed or not pred_parsed:
+
+class MathVerifyProcess:
+    """math-verify in a child process, so that its time limit is hard.
+
+    A timer signal cannot stop sympy while it sits inside one long C-level
+    operation (evaluating `9^{9^{9^{9}}}` spends minutes in a single Python
+    integer power, measured), so the comparison runs in a child process that
+    is killed when it overruns and started again on the next call (spawned,
+    not forked: no torch or OpenMP state is copied). Started on first use; a
+    lock serialises callers from several threads.
+    """
+
+    START_TIMEOUT_S = 60.0  # importing sympy and math-verify in the child
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: multiprocessing.process.BaseProcess | None = None
+        self._conn: Connection | None = None
+        self.available: bool | None = None  # None: not known yet
+
+    def equal(self, pred: str, gold: str, timeout_s: float) -> bool:
+        """math-verify's LaTeX equivalence of `pred` and `gold`; False when it is
+        not installed, fails, or takes longer than `timeout_s` (not positive: False)."""
+        if not timeout_s > 0 or self.available is False:  # also NaN
             return False
-        return bool(math_verify.verify(gold_parsed, pred_parsed, timeout_seconds=None))
+        with self._lock:
+            if (self._proc is None or not self._proc.is_alive()) and not self._start():
+                return False
+            assert self._conn is not None
+            self._conn.send((pred, gold))
+            if self._conn.poll(timeout_s):
+                return bool(self._conn.recv())
+            self._stop()  # overran: kill it, a fresh child serves the next call
+            return False
 
-    with _quiet_math_verify():
-        return bool(run_with_time_limit(compare, timeout_s))
+    def _start(self) -> bool:
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_math_verify_child, args=(child,), daemon=True, name="fp8rl-math-verify")
+        self._proc.start()
+        child.close()
+        status = self._conn.recv() if self._conn.poll(self.START_TIMEOUT_S) else "timeout"
+        if status != "ready":
+            self._stop()
+            if status == "missing":
+                self.available = False
+            return False
+        self.available = True
+        return True
+
+    def _stop(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.join()
+        if self._conn is not None:
+            self._conn.close()
+        self._proc = self._conn = None
+
+
+# One per process, shared by every reward call (a process is a resource, not state).
+MATH_VERIFY = MathVerifyProcess()
+
+
+def _math_verify_equal(pred: str, gold: str, timeout_s: float) -> bool:
+    if importlib.util.find_spec("math_verify") is None:  # not installed: no child to start
+        return False
+    return MATH_VERIFY.equal(pred, gold, timeout_s)

@@ -264,8 +264,9 @@ def test_rollout_equals_training_under_other_cpu_vectorization(capability: str):
     other vectorization levels, which round differently: ATEN_CPU_CAPABILITY
     makes this machine run those kernels (measured: the first GRPO loss of the
     golden config moves by ~5e-4 relative under avx2). Whatever they round to,
-    rollout and training forward must round the same way: bitwise equal on
-    every backend, as on the native level."""
+    rollout and training forward must round the same way: the contract of
+    `test_every_backend_keeps_rollout_on_policy` at that level too (bitwise on
+    the exact backends; measured bitwise on all three here)."""
     import os
     import subprocess
     import sys
@@ -280,4 +281,7 @@ def test_rollout_equals_training_under_other_cpu_vectorization(capability: str):
     assert lines[0] == capability.upper()  # torch really ran at that level
     results = [line.split() for line in lines[1:] if line.strip()]
     assert len(results) == 3 * len(BACKENDS)
-    assert all(bitwise == "True" and float(tmpe) == 1.0 for _, _, bitwise, tmpe in results), results
+    for backend, flow, bitwise, tmpe in results:
+        assert float(tmpe) <= 1.0005, (backend, flow, tmpe)
+        if BACKENDS[backend].exact:
+            assert bitwise == "True", (backend, flow)

@@ -148,8 +148,8 @@ def _native_rows(
 
 
 class Backend:
-    """One kind of arithmetic. Subclasses implement the two GEMMs; the LM head
-    and attention products have defaults they may override.
+    """One kind of arithmetic. Subclasses implement the FP8 GEMM; the BF16 GEMM,
+    the LM head and the attention products have defaults they may override.
 
     Backend objects are stateless singletons (per-weight caches live in dicts
     owned by the weights), so copying a model keeps the same objects.
@@ -168,8 +168,14 @@ class Backend:
 
     def bf16_matmul(self, a: torch.Tensor, b: torch.Tensor, cache: dict, invariant: bool = True) -> torch.Tensor:
         """``a [M, K] @ b [N, K].T`` with BF16-rounded operands -> FP32 ``[M, N]``.
-        ``cache``: a dict owned by ``b`` (emptied by its owner when ``b`` changes)."""
-        raise NotImplementedError
+        ``cache``: a dict owned by ``b`` (emptied by its owner when ``b`` changes).
+
+        Default, the emulation of ``reference`` and ``cpu``: BF16-rounded operands
+        (exact products in FP32), FP32 accumulation per ``bk``-wide K block like the
+        FP8 GEMM, hence the same batch invariance."""
+        if "fp32_blocks" not in cache:
+            cache["fp32_blocks"] = _k_blocks(b.bfloat16().float(), self.bk)
+        return _accumulate_k_blocks(a.bfloat16().float(), cache["fp32_blocks"], self.bk)
 
     def head_logits(self, h: torch.Tensor, w: torch.Tensor, cache: dict) -> torch.Tensor:
         """LM-head logits ``h [N, D] @ w [V, D].T`` on BF16 operands -> FP32, batch-invariant."""
@@ -250,21 +256,10 @@ class ReferenceBackend(Backend):
             out[r0:r1] = acc.float().to(out_dtype)
         return out
 
-    def bf16_matmul(self, a: torch.Tensor, b: torch.Tensor, cache: dict, invariant: bool = True) -> torch.Tensor:
-        return _emulated_bf16_matmul(a, b, cache, self.bk)
-
     def head_logits(self, h: torch.Tensor, w: torch.Tensor, cache: dict) -> torch.Tensor:
         if "head64" not in cache:
             cache["head64"] = w.to(torch.bfloat16).double()
         return (h.to(torch.bfloat16).double() @ cache["head64"].T).float()
-
-
-def _emulated_bf16_matmul(a: torch.Tensor, b: torch.Tensor, cache: dict, bk: int) -> torch.Tensor:
-    """BF16-rounded operands (exact products in FP32), FP32 accumulation per
-    ``bk``-wide K block like the FP8 GEMM, hence the same batch invariance."""
-    if "fp32_blocks" not in cache:
-        cache["fp32_blocks"] = _k_blocks(b.bfloat16().float(), bk)
-    return _accumulate_k_blocks(a.bfloat16().float(), cache["fp32_blocks"], bk)
 
 
 class CPUBackend(Backend):
@@ -287,9 +282,6 @@ class CPUBackend(Backend):
             b.cache["cpu_blocks"] = _k_blocks(fp8_to_float(b.data), bk, _row_scales(b))
         out = _accumulate_k_blocks(fp8_to_float(a.data), b.cache["cpu_blocks"], bk, _row_scales(a))
         return out.to(out_dtype)
-
-    def bf16_matmul(self, a: torch.Tensor, b: torch.Tensor, cache: dict, invariant: bool = True) -> torch.Tensor:
-        return _emulated_bf16_matmul(a, b, cache, self.bk)
 
 
 class AMXBackend(Backend):

@@ -119,9 +119,10 @@ class StepResult:
 
 @dataclass
 class Scored:
-    """`_score`'s output, [B, S] each: the behaviour log-probs `old_logp`; with one
-    micro-batch also the training forward's own `logp` (carries the graph) and
-    `entropy`, reused by `_optimize`; the KL reference's `ref_logp` if any."""
+    """`_score`'s output: the behaviour log-probs `old_logp` [B, S]; the training
+    forward's own `logp` (carries the graph) and `entropy` of the first
+    micro-batch's rows [B / micro_batches, S], reused by `_optimize`; the KL
+    reference's `ref_logp` [B, S] if any."""
 
     old_logp: torch.Tensor
     logp: torch.Tensor | None
@@ -363,18 +364,24 @@ class Trainer:
         return rewards, correct, adv
 
     def _score(self, out: Rollout) -> Scored:
-        """The training forward's log-probs of the sampled tokens. With one
-        micro-batch it runs on the weights that sampled, so its log-probs
-        (detached) are the behaviour ones: no extra forward."""
+        """The training forward's log-probs of the sampled tokens, on the weights
+        that sampled: the behaviour log-probs. The first micro-batch's rows are
+        scored with a graph, which its optimizer step reuses (no second forward
+        of the same rows on the same weights); the other rows without one. The
+        backends are batch-invariant, so scoring rows apart or together gives
+        the same bits."""
         temp = self.sampling.logprob_temperature
         with torch.no_grad():
             ref_logp = score(self.ref_model, out, temp)[0] if self.ref_model is not None else None
-        if self.cfg.train.micro_batches == 1:
-            logp, entropy = score(self.model, out, temp, with_entropy=True)
-            return Scored(logp.detach(), logp, entropy, ref_logp)
-        with torch.no_grad():
-            old_logp, _ = score(self.model, out, temp)
-        return Scored(old_logp, None, None, ref_logp)
+        mb = out.tokens.shape[0] // self.cfg.train.micro_batches
+        first = out if mb == out.tokens.shape[0] else out.select(range(mb))
+        logp, entropy = score(self.model, first, temp, with_entropy=True)
+        old_logp = logp.detach()
+        if mb < out.tokens.shape[0]:
+            with torch.no_grad():
+                rest, _ = score(self.model, out.select(range(mb, out.tokens.shape[0])), temp)
+            old_logp = torch.cat([old_logp, rest])
+        return Scored(old_logp, logp, entropy, ref_logp)
 
     def _correct(self, scored: Scored, out: Rollout) -> tuple[torch.Tensor, dict[str, float], dict[str, float]]:
         """Mismatch metrics and importance weights [B, S] of the behaviour vs the rollout log-probs."""
@@ -397,7 +404,7 @@ class Trainer:
         for i in range(t.micro_batches):
             rows = torch.arange(i * mb, (i + 1) * mb)
             sub = out.select(rows)
-            if scored.logp is not None:
+            if i == 0:
                 logp, ent = scored.logp, scored.entropy
             else:
                 logp, ent = score(self.model, sub, self.sampling.logprob_temperature, with_entropy=True)

@@ -228,32 +228,104 @@ def test_every_backend_lm_head_forward_and_gradient(backend):
 
 @pytest.mark.parametrize("backend", ALL)
 def test_every_backend_attention_products_are_batch_invariant(backend):
+    """A query row computed alone (a decode step) gets the bits it gets among all
+    the sequence's rows (the training forward), for any number of rows."""
     g = torch.Generator().manual_seed(13)
-    q, k, v = (torch.randn(2, 4, t, 32, generator=g) for t in (24, 48, 48))
     b = BACKENDS[backend]
-    scores = b.attention_scores(q, k)  # [2, 4, 24, 48]
-    assert sqnr_db(q.double() @ k.double().transpose(-1, -2), scores) >= 100.0
-    for t in (0, 7, 23):  # one decode row computes the bits of the full call
-        assert torch.equal(b.attention_scores(q[:, :, t : t + 1], k), scores[:, :, t : t + 1])
-    p = torch.softmax(scores, -1)
-    out = b.attention_values(p, v)
-    assert sqnr_db(p.double() @ v.double(), out) >= 100.0
-    assert torch.equal(b.attention_values(p[:1, :, 5:6], v[:1]), out[:1, :, 5:6])
+    for t_all, slots, d in [(24, 48, 32), (37, 64, 64), (5, 16, 64)]:
+        q = fb.order_sensitive_rows(2 * 4 * t_all, d, g).view(2, 4, t_all, d)
+        k = fb.order_sensitive_cols(2 * 4 * slots, d, g).view(2, 4, slots, d)
+        v = torch.randn(2, 4, slots, d, generator=g)
+        scores = b.attention_scores(q, k)  # [2, 4, t_all, slots]
+        assert sqnr_db(q.double() @ k.double().transpose(-1, -2), scores) >= 100.0
+        for t in sorted({0, 3, t_all - 1}):
+            assert torch.equal(b.attention_scores(q[:, :, t : t + 1], k), scores[:, :, t : t + 1])
+            assert torch.equal(b.attention_scores(q[:, :, : t + 1], k), scores[:, :, : t + 1])
+        p = torch.softmax(scores, -1)
+        out = b.attention_values(p, v)
+        assert sqnr_db(p.double() @ v.double(), out) >= 100.0
+        for t in sorted({0, 3, t_all - 1}):
+            assert torch.equal(b.attention_values(p[:1, :, t : t + 1], v[:1]), out[:1, :, t : t + 1])
 
 
 def test_choose_backend_policy(monkeypatch: pytest.MonkeyPatch):
-    """The one policy for backend = "auto": the exact reference for small models
-    and off the CPU; amx where the CPU has AMX tiles, else cpu."""
+    """The one policy for backend = "auto": the exact reference off the CPU;
+    on the CPU amx where the CPU has AMX tiles, else cpu, for every model size,
+    unless the measured batch-invariance check fails on the model's shapes."""
     small = nn.Linear(64, 64)
-    big = nn.Linear(4096, 2048)  # 8.4M parameters
-    assert choose_backend(torch.device("cpu"), small) is BACKENDS["reference"]
+    big = nn.Linear(4096, 2048)
     assert choose_backend(torch.device("meta"), big) is BACKENDS["reference"]
     monkeypatch.setattr(fb, "amx_available", lambda: True)
     assert choose_backend(torch.device("cpu"), big) is BACKENDS["amx"]
-    assert fb.resolve_backend("auto", big) is BACKENDS["amx"]
+    assert fb.resolve_backend("auto", small) is BACKENDS["amx"]
     monkeypatch.setattr(fb, "amx_available", lambda: False)
-    assert choose_backend(torch.device("cpu"), big) is BACKENDS["cpu"]
-    assert fb.resolve_backend("cpu", small) is BACKENDS["cpu"]  # a name is taken as given
+    assert choose_backend(torch.device("cpu"), small) is BACKENDS["cpu"]
+    assert fb.resolve_backend("amx", small) is BACKENDS["amx"]  # a name is taken as given
+    monkeypatch.setattr(fb, "batch_invariance_failures", lambda backend, model: ["fp8 GEMM 64x64: rows 0..0 differ"])
+    with pytest.warns(UserWarning, match="not batch-invariant on this CPU .*fp8 GEMM 64x64.*reference"):
+        assert choose_backend(torch.device("cpu"), small) is BACKENDS["reference"]
+
+
+class _OneRowAttention(fb.CPUBackend):
+    """Attention scores without the minimum row count: a decode row takes BLAS's
+    matrix-vector kernel."""
+
+    def attention_scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return q.float() @ k.float().transpose(-1, -2)
+
+
+class _FullKFP8(fb.CPUBackend):
+    """An FP8 GEMM as one FP32 GEMM over the dequantized operands (MKL splits K by M)."""
+
+    def fp8_matmul(self, a, b, out_dtype, invariant=True):
+        return (fb.dequantize(a) @ fb.dequantize(b).T).to(out_dtype)
+
+
+class _UnpaddedBF16(fb.AMXBackend):
+    """Native BF16 GEMMs on as many rows as the caller has (oneDNN's blocking follows M)."""
+
+    def bf16_matmul(self, a, b, cache, invariant=True):
+        return (a.bfloat16() @ b.bfloat16().T).float()
+
+
+def test_batch_invariance_check_passes_the_registry_and_catches_broken_backends():
+    """The check auto relies on: silent for every registered backend on a
+    SmolLM2-shaped model, and it fails on the three ways to break batch
+    invariance seen on this CPU (each names the product)."""
+    from fp8rl.model import ModelConfig, Transformer
+
+    cfg = ModelConfig(vocab_size=4096, hidden_size=576, intermediate_size=1536, num_layers=1, num_heads=9,
+                      num_kv_heads=3, head_dim=64, max_position_embeddings=256)
+    model = Transformer(cfg)
+    for name, backend in BACKENDS.items():
+        assert fb.batch_invariance_failures(backend, model) == [], name
+    assert any("attention scores" in f for f in fb.batch_invariance_failures(_OneRowAttention(), model))
+    assert any(f.startswith("fp8 GEMM 1536x576") for f in fb.batch_invariance_failures(_FullKFP8(), model))
+    assert any(f.startswith("bf16 GEMM 1536x576") for f in fb.batch_invariance_failures(_UnpaddedBF16(), model))
+
+
+@pytest.mark.parametrize("kind", ["native", "fp32"])
+def test_row_tiles_are_measured_and_keep_rows_independent_of_the_batch(kind: str):
+    """GEMMs run on row tiles measured on this CPU (a big one for long inputs,
+    a small one for a decode step, equal in their bits): any slice of rows,
+    alone or inside a long input, computes the same bits, and the measurement
+    rejects tiles that would not (checked against a deliberately unmeasured
+    choice: every smaller candidate it skipped really differs)."""
+    g = torch.Generator().manual_seed(14)
+    for k, n in [(576, 1536), (1536, 576), (576, 576), (128, 384)]:
+        x = fb.order_sensitive_rows(3 * _NATIVE_ROWS + 7, k, g)
+        w = fb.order_sensitive_cols(n, k, g)
+        if kind == "native":
+            tiles = fb._native_row_tiles(k, n)
+            cache: dict = {}
+            run = lambda rows: bf16_matmul(rows, w, "amx", cache)  # noqa: E731
+        else:
+            tiles = fb._fp32_row_tiles(128, n)
+            run = lambda rows: bf16_matmul(rows, w, "cpu")  # noqa: E731
+        assert tiles.big in fb._TILE_CANDIDATES and tiles.small <= tiles.big
+        full = run(x)
+        for lo, hi in [(0, 1), (3, 19), (40, 40 + tiles.small), (7, 7 + tiles.big), (200, 3 * _NATIVE_ROWS)]:
+            assert torch.equal(run(x[lo:hi]), full[lo:hi]), (kind, k, n, lo, hi)
 
 
 def test_backends_are_registry_singletons():

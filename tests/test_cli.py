@@ -526,7 +526,9 @@ def test_mismatch_reads_its_section(capsys, tmp_path):
     assert rc == 0, err
     res = json.loads(out)
     assert res["flow"] == "fp8-rollout" and 0 < res["n_tokens"] <= 1 * 2 * 3
-    assert res["backend"] == "reference"  # "auto" resolved by apply_flow: a tiny model on the CPU
+    from fp8rl.fp8.backends import choose_backend
+
+    assert res["backend"] == choose_backend(torch.device("cpu")).name  # "auto", resolved by apply_flow
 
 
 def test_bench_reads_its_section(capsys, tmp_path):
@@ -534,7 +536,9 @@ def test_bench_reads_its_section(capsys, tmp_path):
     rc, out, err = cli(capsys, "bench", "--config", cfg_file, "--json")
     assert rc == 0, err
     rows = json.loads(out)["results"]
-    assert [(r["flow"], r["tokens"], r["backend"]) for r in rows] == [("jet", 6, "reference")]
+    from fp8rl.fp8.backends import choose_backend
+
+    assert [(r["flow"], r["tokens"], r["backend"]) for r in rows] == [("jet", 6, choose_backend(torch.device("cpu")).name)]
 
 
 def test_export_reads_the_export_section(capsys, tmp_path):

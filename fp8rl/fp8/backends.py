@@ -31,10 +31,15 @@ backend drop what it does only for batch invariance.
 
 from __future__ import annotations
 
+import functools
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 import torch.nn as nn
 
-from fp8rl.fp8.quant import QTensor, dequantize, fp8_to_float
+from fp8rl.fp8.quant import QTensor, dequantize, fp8_to_float, quantize, quantize_dequantize
 
 # --- shared pieces ---------------------------------------------------------------------
 
@@ -58,8 +63,12 @@ def check_operands(a: QTensor, b: QTensor) -> None:
         raise ValueError(f"fp8_matmul needs the same K block width, got a.block={a.block}, b.block={b.block}")
 
 
-# See _accumulate_k_blocks: small batches are padded to this many rows.
+# Attention products fall back to this many rows per call (see _attention_rows).
 _MIN_ROWS = 16
+# The largest row tile of the row-tiled GEMMs (see _measure_row_tiles): 128
+# measured best overall for SmolLM2-135M at 16 rollouts with torch.mm (64: -12%
+# training forward speed, 256: -25% decode speed).
+_NATIVE_ROWS = 128
 
 
 def _k_blocks(x: torch.Tensor, bk: int, s: torch.Tensor | None = None) -> list[torch.Tensor]:
@@ -70,78 +79,288 @@ def _k_blocks(x: torch.Tensor, bk: int, s: torch.Tensor | None = None) -> list[t
     return [x[:, j * bk : (j + 1) * bk] * s[:, j, None] for j in range(n)]
 
 
+def _accumulate_tile(a: torch.Tensor, b_blocks: list[torch.Tensor], bk: int, sa: torch.Tensor | None) -> torch.Tensor:
+    """One call per K block, in K order: ``sum_kb (a_kb * sa_kb) @ b_kb.T`` in FP32."""
+    out = torch.zeros(a.shape[0], b_blocks[0].shape[0], dtype=torch.float32, device=a.device)
+    for j, b_blk in enumerate(b_blocks):
+        ks = slice(j * bk, (j + 1) * bk)
+        out.addmm_(a[:, ks] if sa is None else a[:, ks] * sa[:, j, None], b_blk.T)
+    return out
+
+
 def _accumulate_k_blocks(
     a: torch.Tensor,
     b_blocks: list[torch.Tensor],
     bk: int,
     sa: torch.Tensor | None = None,
+    invariant: bool = True,
 ) -> torch.Tensor:
     """FP32 ``sum_kb (a_kb * sa_kb) @ b_kb.T``, one BLAS call per K block, in K order.
 
     a: FP32 ``[M, K]``; b_blocks: ``_k_blocks`` of the FP32 ``[N, K]`` operand
     (its scales already applied); sa ``[M, ceil(K/bk)]`` optional per-row scales.
 
-    Batch invariance: BLAS switches to other kernels (another summation order)
-    for small M, so with MKL here rows of an M <= 5 product differed in the
-    last bits from the same rows inside a larger batch. Padding ``a`` with zero
-    rows to ``_MIN_ROWS`` and keeping each call's K at ``bk`` made every row
-    independent of the batch size and of the thread count on this machine
-    (full-K FP32 GEMMs were not: MKL splits long K across threads).
+    Batch invariance: BLAS picks its kernel (another summation order) from the
+    shape: with MKL here rows of an M <= 5 product differed in the last bits
+    from the same rows inside a larger batch, and with MKL limited to AVX2 a
+    row's position in a 128-row call mattered. So calls get exactly the row
+    counts of ``_fp32_row_tiles`` (measured per shape), and each call's K is
+    ``bk`` (full-K FP32 GEMMs were not invariant: MKL splits long K across
+    threads). ``invariant=False``: one call per K block on all rows.
     """
-    m, k = a.shape
-    if m < _MIN_ROWS:
-        a = torch.cat([a, a.new_zeros(_MIN_ROWS - m, k)])
-        if sa is not None:
-            sa = torch.cat([sa, sa.new_ones(_MIN_ROWS - m, sa.shape[1])])
-    out = torch.zeros(a.shape[0], b_blocks[0].shape[0], dtype=torch.float32, device=a.device)
-    for j, b_blk in enumerate(b_blocks):
-        ks = slice(j * bk, (j + 1) * bk)
-        a_blk = a[:, ks] if sa is None else a[:, ks] * sa[:, j, None]
-        out.addmm_(a_blk, b_blk.T)
-    return out[:m]
+    k = a.shape[1]
+    if sa is not None:  # the per-row scales ride along as extra columns (padding rows: 0 x 0)
+        a = torch.cat([a, sa.float()], dim=1)
 
+    def gemm(rows: torch.Tensor) -> torch.Tensor:
+        return _accumulate_tile(rows[:, :k], b_blocks, bk, rows[:, k:] if sa is not None else None)
 
-# Native BF16 GEMMs are called on exactly this many rows (see _native_rows):
-# decode steps pay for the padding, long training GEMMs for the number of calls;
-# 128 measured best overall for SmolLM2-135M at 16 rollouts (64: -12% training
-# forward speed, 256: -25% decode speed).
-_NATIVE_ROWS = 128
-
-
-def _native_rows(
-    a: torch.Tensor, b_t: torch.Tensor, invariant: bool = True, scratch: dict | None = None
-) -> torch.Tensor:
-    """BF16 ``a [M, K] @ b_t [K, N]`` -> FP32 ``[M, N]`` on the CPU's native BF16 GEMM.
-
-    Batch invariance: oneDNN picks its K blocking (hence the summation order)
-    from M, so one row's result changed with the number of rows in the call
-    (measured: most M between 28 and 256 disagree with M = 4096 somewhere).
-    Every call here gets exactly ``_NATIVE_ROWS`` rows (the last chunk padded
-    with zeros), so every row goes through the same kernel whatever the batch.
-    ``invariant=False`` makes one call on all rows. ``scratch``: a dict owned
-    by the weight where a decode step's padded input and output buffers live
-    between calls (fresh ~128 KB buffers every call cost page faults: about a
-    quarter of a SmolLM2 decode step when allocated per call).
-    """
     if not invariant:
-        return (a @ b_t).float()
+        return gemm(a)
+    return _tiled_rows(a, _fp32_row_tiles(bk, b_blocks[0].shape[0]), gemm)
+
+
+def _bmm_tiled(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """FP32 ``a [..., T, K] @ b [..., K, N]`` as calls of exactly
+    ``_attention_rows(K, N)`` rows of ``a`` (the last zero-padded), so that every
+    row goes through the same BLAS kernel whatever T is."""
+    t, rows = a.shape[-2], _attention_rows(a.shape[-1], b.shape[-1])
+    pad = -t % rows
+    if pad:
+        a = torch.cat([a, a.new_zeros(*a.shape[:-2], pad, a.shape[-1])], dim=-2)
+    if a.shape[-2] == rows:
+        out = a @ b
+    else:
+        out = torch.cat([a[..., r : r + rows, :] @ b for r in range(0, a.shape[-2], rows)], dim=-2)
+    return out[..., :t, :] if pad else out
+
+
+@functools.lru_cache(maxsize=None)
+def _attention_rows(k: int, n: int) -> int:
+    """Rows per call (8 or 16) of the FP32 attention products ``[rows, k] @ [k, n]``.
+
+    BLAS picks its kernel, hence its summation order, from the shape: a one-row
+    call takes a matrix-vector kernel, and with MKL limited to AVX2 a 68-row
+    call summed differently from 40- and 64-row calls. Calls of one fixed row
+    count avoid all of that if a row's result does not depend on its position
+    in the call, on the other rows (zero padding included) or on the number of
+    matrices in the batch. That is measured here once per shape with
+    order-sensitive data: 8 rows where it holds (cheaper for a decode step,
+    whose query has only the few heads of a KV group), else 16 (if 16 fails
+    too, ``batch_invariance_failures`` reports it)."""
+    g = torch.Generator().manual_seed(k * 100_003 + n)
+    a = order_sensitive_rows(4 * 64, k, g).view(4, 64, k)
+    b = order_sensitive_cols(4 * n, k, g).view(4, n, k).transpose(1, 2)
+    for rows in (8, 16):
+        full = torch.cat([a[:, r : r + rows] @ b for r in range(0, 64, rows)], dim=1)
+        padded = a.new_zeros(2, rows, k)
+        agree = torch.equal(a[:2, 3 : 3 + rows] @ b[:2], full[:2, 3 : 3 + rows])  # other position, batch
+        for real in (1, 3, rows - 1):
+            padded.zero_()
+            padded[:, :real] = a[2:, 60 - real : 60]
+            agree = agree and torch.equal((padded @ b[2:])[:, :real], full[2:, 60 - real : 60])
+        if agree:
+            return rows
+    return _MIN_ROWS
+
+
+def order_sensitive_rows(rows: int, k: int, generator: torch.Generator) -> torch.Tensor:
+    """FP32 ``[rows, k]`` test rows whose dot products with ``order_sensitive_cols``
+    nearly cancel, so that any change in summation order shows in the result
+    (random data hides most order changes in the final rounding). Half the
+    rows are plain Gaussian. BF16-exact values."""
+    half = k // 2
+    u = torch.randn(rows, half, generator=generator) * torch.exp2(
+        torch.randint(-6, 7, (rows, half), generator=generator).float()
+    )
+    x = torch.zeros(rows, k)
+    x[:, :half], x[:, half : 2 * half] = u, u
+    x[::2] = torch.randn(x[::2].shape, generator=generator)
+    return x.bfloat16().float()
+
+
+def order_sensitive_cols(cols: int, k: int, generator: torch.Generator) -> torch.Tensor:
+    """FP32 ``[cols, k]``: ``[v, -v * (1 + 2**-7)]`` per row (see ``order_sensitive_rows``)."""
+    half = k // 2
+    v = torch.randn(cols, half, generator=generator)
+    x = torch.zeros(cols, k)
+    x[:, :half], x[:, half : 2 * half] = v, -v * (1 + 2**-7)
+    return x.bfloat16().float()
+
+
+@functools.lru_cache(maxsize=None)
+def _prepacked_available() -> bool:
+    """Whether this torch build runs oneDNN's linear on a prepacked BF16 weight
+    (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, what
+    inductor uses on CPU). Private ops: where a build lacks or refuses them the
+    plain ``torch.mm`` path is used."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(32, 32, dtype=torch.bfloat16), _NATIVE_ROWS)
+        torch.ops.mkldnn._linear_pointwise(torch.ones(_NATIVE_ROWS, 32, dtype=torch.bfloat16), w, None, "none", [], "")
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def _row_gemm(w: torch.Tensor, cache: dict):
+    """``x [rows, K] -> x @ w.T`` (BF16) for the BF16 weight ``w [N, K]``: oneDNN's
+    linear on ``w`` prepacked once into its blocked layout where available
+    (1.7-1.9x faster than ``torch.mm`` on 128-row SmolLM2 GEMMs here, up to 2x
+    at decode sizes), else ``torch.mm``. The packed form lives in ``cache``."""
+    if _prepacked_available():
+        if "amx_packed" not in cache:
+            cache["amx_packed"] = torch.ops.mkldnn._reorder_linear_weight(w, _NATIVE_ROWS)
+        packed = cache["amx_packed"]
+        return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    if "amx_t" not in cache:
+        cache["amx_t"] = w.T.contiguous()
+    w_t = cache["amx_t"]
+    return lambda x: torch.mm(x, w_t)
+
+
+@dataclass(frozen=True)
+class RowTiles:
+    """Rows per GEMM call that keep each row's result independent of the batch:
+    ``big`` for long inputs (cut into calls of exactly that many rows, the last
+    zero-padded), ``small`` for an input that fits (a decode step), measured to
+    compute the same bits as ``big``."""
+
+    big: int
+    small: int
+
+
+_TILE_CANDIDATES = (128, 64, 32, 16)
+
+
+def _measure_row_tiles(gemm: Callable[[torch.Tensor], torch.Tensor], a: torch.Tensor) -> RowTiles | None:
+    """Row tiles for ``gemm`` (``[rows, K] -> [rows, N]``), measured with the
+    192-row order-sensitive ``a`` (``order_sensitive_rows``: any change of
+    summation order shows; a kernel's choice depends on the shape, not on the
+    values).
+
+    A tile of T rows is usable when, in T-row calls, a row's result depends
+    neither on its position in the call nor on the other rows (zero padding
+    included): with MKL limited to AVX2 and two threads, rows in the second
+    half of a 128-row call summed differently from the same rows in the first
+    half. ``big``: the largest usable tile (fewest calls); ``small``: the
+    smallest usable tile whose rows equal ``big``'s (oneDNN's kernel for
+    <= 32 rows sums in another order than for more rows at K = 576 here).
+    None when no tile is usable."""
+    usable = {}
+    for t in _TILE_CANDIDATES:
+        first = gemm(a[:t])
+        shifted = gemm(a[t // 2 : t // 2 + t])  # rows t/2.. at positions 0..
+        padded = a.new_zeros(t, a.shape[1])
+        padded[:3] = a[t - 3 : t]
+        if torch.equal(first[t // 2 :], shifted[: t - t // 2]) and torch.equal(gemm(padded)[:3], first[t - 3 :]):
+            usable[t] = first
+    if not usable:
+        return None
+    big = max(usable)
+    small = min(t for t in usable if torch.equal(usable[t], usable[big][:t]))
+    return RowTiles(big, small)
+
+
+# Where no tile is usable, calls still get this fixed shape, and
+# batch_invariance_failures reports the backend.
+_FALLBACK_TILES = RowTiles(_NATIVE_ROWS, _NATIVE_ROWS)
+
+
+@functools.lru_cache(maxsize=None)
+def _native_row_tiles(k: int, n: int) -> RowTiles:
+    """``_measure_row_tiles`` of ``_row_gemm`` for a BF16 ``[N=n, K=k]`` weight,
+    measured once per shape on this CPU."""
+    g = torch.Generator().manual_seed(k * 100_003 + n)
+    a = order_sensitive_rows(192, k, g).bfloat16()
+    return _measure_row_tiles(_row_gemm(order_sensitive_cols(n, k, g).bfloat16(), {}), a) or _FALLBACK_TILES
+
+
+@functools.lru_cache(maxsize=None)
+def _fp32_row_tiles(bk: int, n: int) -> RowTiles:
+    """``_measure_row_tiles`` of ``_accumulate_tile`` (one ``bk``-wide K block,
+    ``n`` outputs), measured once per shape on this CPU."""
+    g = torch.Generator().manual_seed(bk * 100_003 + n)
+    blocks = [order_sensitive_cols(n, bk, g)]
+    a = order_sensitive_rows(192, bk, g)
+    return _measure_row_tiles(lambda x: _accumulate_tile(x, blocks, bk, None), a) or _FALLBACK_TILES
+
+
+def _tiled_rows(a: torch.Tensor, tiles: RowTiles, gemm: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``gemm`` over the rows of ``a`` in calls of exactly ``tiles.small`` rows (an
+    input that fits) or ``tiles.big`` rows, zero-padded."""
     m = a.shape[0]
-    if m <= _NATIVE_ROWS and scratch is not None:
-        if "rows_in" not in scratch:
-            scratch["rows_in"] = a.new_zeros(_NATIVE_ROWS, a.shape[1])
-            scratch["rows_out"] = a.new_empty(_NATIVE_ROWS, b_t.shape[1])
-        buf = scratch["rows_in"]
-        buf[:m].copy_(a)
-        buf[m:].zero_()
-        torch.mm(buf, b_t, out=scratch["rows_out"])
-        return scratch["rows_out"][:m].float()
-    pad = -m % _NATIVE_ROWS
+    tile = tiles.small if m <= tiles.small else tiles.big
+    pad = -m % tile
     if pad:
         a = torch.cat([a, a.new_zeros(pad, a.shape[1])])
-    out = torch.empty(a.shape[0], b_t.shape[1], dtype=a.dtype, device=a.device)
-    for r in range(0, a.shape[0], _NATIVE_ROWS):
-        torch.mm(a[r : r + _NATIVE_ROWS], b_t, out=out[r : r + _NATIVE_ROWS])
-    return out[:m].float()
+    if a.shape[0] == tile:
+        out = gemm(a)
+    else:
+        out = torch.cat([gemm(a[r : r + tile]) for r in range(0, a.shape[0], tile)])
+    return out[:m] if pad else out
+
+
+def _native_rows(a: torch.Tensor, w: torch.Tensor, invariant: bool, cache: dict) -> torch.Tensor:
+    """BF16 ``a [M, K] @ w [N, K].T`` -> FP32 ``[M, N]`` on the CPU's native BF16 GEMM
+    (``a`` in any float dtype, rounded to BF16 on the way in; ``w`` BF16;
+    ``cache`` a dict owned by ``w`` for its packed form and scratch buffer).
+
+    Batch invariance: oneDNN picks its kernel and K blocking (hence the
+    summation order) from M, so one row's result changed with the number of
+    rows in the call (measured: most M between 28 and 256 disagree with
+    M = 4096 somewhere). Calls get exactly the row counts of
+    ``_native_row_tiles`` (measured per shape), so every row goes through the
+    same arithmetic whatever the batch. ``invariant=False`` makes one call on
+    all rows. A decode step's padded input lives in ``cache`` between calls
+    (fresh buffers every call cost page faults).
+    """
+    if not invariant:
+        if "amx_t" not in cache:
+            cache["amx_t"] = w.T.contiguous()
+        return (a.to(w.dtype) @ cache["amx_t"]).float()
+    gemm = _row_gemm(w, cache)
+    m, k = a.shape
+    tiles = _native_row_tiles(k, w.shape[0])
+    if m > tiles.small:
+        return _tiled_rows(a.to(w.dtype), tiles, gemm).float()
+    if ("rows_in", tiles.small) not in cache:
+        cache[("rows_in", tiles.small)] = w.new_zeros(tiles.small, k)
+    buf = cache[("rows_in", tiles.small)]
+    buf[:m].copy_(a)
+    buf[m:].zero_()
+    return gemm(buf)[:m].float()
+
+
+def _sorted_block_sums(
+    a: torch.Tensor, sa: torch.Tensor, b64: torch.Tensor, sb: torch.Tensor, bk: int, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """``sum_kb partial_kb * sa[:, kb] * sb[:, kb]`` for ``a [M, K]`` (FP32 values),
+    ``b64 [N, K]`` (float64), float64 per-row block scales ``sa [M, KB]``,
+    ``sb [N, KB]``: each block's partial sum in float64, scaled (rounded once),
+    the partials of each output summed in float64 in ascending order of value
+    and rounded once to FP32, then to ``out_dtype``. A function of the multiset
+    of the partials: no BLAS summation order, thread count or batch can show."""
+    m, k = a.shape
+    n, kb = b64.shape[0], -(-k // bk)
+    out = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    # Rows are independent; chunking only bounds the [rows, N, kb] buffer.
+    rows = max(1, (1 << 24) // max(1, n * kb))
+    for r0 in range(0, m, rows):
+        r1 = min(m, r0 + rows)
+        a64 = a[r0:r1].double()
+        parts = torch.empty(r1 - r0, n, kb, dtype=torch.float64, device=a.device)
+        for j in range(kb):
+            ks = slice(j * bk, (j + 1) * bk)
+            parts[:, :, j] = (a64[:, ks] @ b64[:, ks].T) * (sa[r0:r1, j, None] * sb[None, :, j])
+        if kb > 1:
+            parts = parts.sort(dim=-1).values
+        acc = torch.zeros(r1 - r0, n, dtype=torch.float64, device=a.device)
+        for j in range(kb):
+            acc += parts[:, :, j]
+        out[r0:r1] = acc.float().to(out_dtype)
+    return out
 
 
 # --- the backends ----------------------------------------------------------------------
@@ -166,6 +385,14 @@ class Backend:
         weight-like operand whose converted forms may be kept in ``b.cache``."""
         raise NotImplementedError
 
+    def fp8_linear(self, x: torch.Tensor, w: QTensor, scale_fmt: str, name: str) -> torch.Tensor:
+        """A linear's forward FP8 GEMM: ``x [T, K]`` (high precision) quantized to
+        1 x ``bk`` blocks, times the block-quantized weight ``w [N, K]`` -> FP32
+        ``[T, N]``, batch-invariant. ``name`` names ``x`` in a NaN/Inf error.
+        Default: ``quantize`` then ``fp8_matmul``; a backend that multiplies
+        dequantized values may fuse the two."""
+        return self.fp8_matmul(quantize(x, (1, w.block[1]), scale_fmt=scale_fmt, name=name), w, torch.float32)
+
     def bf16_matmul(self, a: torch.Tensor, b: torch.Tensor, cache: dict, invariant: bool = True) -> torch.Tensor:
         """``a [M, K] @ b [N, K].T`` with BF16-rounded operands -> FP32 ``[M, N]``.
         ``cache``: a dict owned by ``b`` (emptied by its owner when ``b`` changes).
@@ -175,7 +402,7 @@ class Backend:
         FP8 GEMM, hence the same batch invariance."""
         if "fp32_blocks" not in cache:
             cache["fp32_blocks"] = _k_blocks(b.bfloat16().float(), self.bk)
-        return _accumulate_k_blocks(a.bfloat16().float(), cache["fp32_blocks"], self.bk)
+        return _accumulate_k_blocks(a.bfloat16().float(), cache["fp32_blocks"], self.bk, invariant=invariant)
 
     def head_logits(self, h: torch.Tensor, w: torch.Tensor, cache: dict) -> torch.Tensor:
         """LM-head logits ``h [N, D] @ w [V, D].T`` on BF16 operands -> FP32, batch-invariant."""
@@ -191,14 +418,21 @@ class Backend:
         return dh, dw
 
     def attention_scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """``q [..., T, D] @ k [..., L, D].T`` -> FP32 ``[..., T, L]``: float64 math on
-        FP32 operands, rounded once, so a row's scores do not depend on how many
-        query rows share the call (decode vs training)."""
-        return (q.double() @ k.double().transpose(-1, -2)).float()
+        """``q [..., T, D] @ k [..., L, D].T`` -> FP32 ``[..., T, L]``, batch-invariant.
+
+        FP32 batched GEMMs on query rows in calls of exactly
+        ``_attention_rows`` rows (zero-padded): a single query row (a decode
+        step) would take BLAS's matrix-vector kernel, and other row counts
+        other kernels, each summing in its own order. With one fixed row count,
+        each score is the same FP32 dot product, summed in that kernel's fixed
+        K order, whether its row is computed alone (rollout) or among all of
+        the sequence's rows (training). Checked on the CPU at hand by
+        ``batch_invariance_failures`` before ``auto`` picks a backend."""
+        return _bmm_tiled(q.float(), k.float().transpose(-1, -2))
 
     def attention_values(self, p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``p [..., T, L] @ v [..., L, D]`` -> FP32 ``[..., T, D]``, like ``attention_scores``."""
-        return (p.double() @ v.double()).float()
+        return _bmm_tiled(p.float(), v.float())
 
     def __deepcopy__(self, memo: dict) -> "Backend":
         return self  # a singleton: a copied model keeps using the registry's object
@@ -208,10 +442,12 @@ class Backend:
 
 
 class ReferenceBackend(Backend):
-    """Exact: FP8 block sums in float64 (exact), float64 promotion, the scaled
-    partials summed in float64 in ascending order, rounded once to FP32;
-    the LM head in float64 on BF16 operands. Bitwise independent of batch size
-    and K-block order by construction. Slow; the default for tiny models."""
+    """Exact: FP8 (and BF16) block sums in float64 (exact), float64 promotion,
+    the scaled partials summed in float64 in ascending order, rounded once to
+    FP32; the LM head in float64 on BF16 operands; attention products in
+    float64. Bitwise independent of batch size, K-block order and the CPU's
+    BLAS kernels by construction. Slow: the numerics' reference, and what
+    ``auto`` falls back to where a fast backend fails the batch-invariance check."""
 
     name = "reference"
     exact = True
@@ -230,36 +466,38 @@ class ReferenceBackend(Backend):
         function of the multiset of partials. The error is the final rounding
         plus at most ``ceil(K/bk)`` float64 roundings.
         """
-        m, k = a.data.shape
-        n, bk = b.data.shape[0], a.block[1]
-        kb = -(-k // bk)
         if "reference" not in b.cache:  # a weight: converted once, reused by every call
             b.cache["reference"] = (fp8_to_float(b.data).double(), _row_scales(b).double())
         b64, sb = b.cache["reference"]
-        sa = _row_scales(a).double()
-        out = torch.empty(m, n, dtype=out_dtype, device=a.data.device)
-        # Rows are independent; chunking only bounds the [rows, N, kb] buffer.
-        rows = max(1, (1 << 24) // max(1, n * kb))
-        for r0 in range(0, m, rows):
-            r1 = min(m, r0 + rows)
-            a64 = fp8_to_float(a.data[r0:r1]).double()
-            parts = torch.empty(r1 - r0, n, kb, dtype=torch.float64, device=a.data.device)
-            for j in range(kb):
-                ks = slice(j * bk, (j + 1) * bk)
-                block_sum = a64[:, ks] @ b64[:, ks].T  # exact
-                parts[:, :, j] = block_sum * (sa[r0:r1, j, None] * sb[None, :, j])
-            if kb > 1:
-                parts = parts.sort(dim=-1).values
-            acc = torch.zeros(r1 - r0, n, dtype=torch.float64, device=a.data.device)
-            for j in range(kb):
-                acc += parts[:, :, j]
-            out[r0:r1] = acc.float().to(out_dtype)
-        return out
+        return _sorted_block_sums(fp8_to_float(a.data), _row_scales(a).double(), b64, sb, a.block[1], out_dtype)
+
+    def bf16_matmul(self, a: torch.Tensor, b: torch.Tensor, cache: dict, invariant: bool = True) -> torch.Tensor:
+        """The BF16 GEMM the same way: BF16 x BF16 products are exact in float64
+        and so is a block sum of 128 of them as long as the block's products
+        span less than 2**29 in magnitude (53 bits minus 16 for the products and
+        7 for 128 terms); beyond that, the smallest are rounded in float64, 2**-53
+        relative. Then the sorted sum, rounded once to FP32. Backward GEMMs
+        (``invariant=False``) take the FP32 emulation of the base class."""
+        if not invariant:
+            return super().bf16_matmul(a, b, cache, invariant)
+        if "reference_bf16" not in cache:
+            cache["reference_bf16"] = b.bfloat16().double()
+        b64 = cache["reference_bf16"]
+        ones_a = torch.ones(a.shape[0], -(-a.shape[1] // self.bk), dtype=torch.float64, device=a.device)
+        ones_b = torch.ones(b64.shape[0], ones_a.shape[1], dtype=torch.float64, device=a.device)
+        return _sorted_block_sums(a.bfloat16().float(), ones_a, b64, ones_b, self.bk, torch.float32)
 
     def head_logits(self, h: torch.Tensor, w: torch.Tensor, cache: dict) -> torch.Tensor:
         if "head64" not in cache:
             cache["head64"] = w.to(torch.bfloat16).double()
         return (h.to(torch.bfloat16).double() @ cache["head64"].T).float()
+
+    def attention_scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """Float64 math on FP32 operands (each product exact), rounded once to FP32."""
+        return (q.double() @ k.double().transpose(-1, -2)).float()
+
+    def attention_values(self, p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return (p.double() @ v.double()).float()
 
 
 class CPUBackend(Backend):
@@ -280,7 +518,7 @@ class CPUBackend(Backend):
         bk = a.block[1]
         if "cpu_blocks" not in b.cache:  # a weight: dequantized once, reused by every call
             b.cache["cpu_blocks"] = _k_blocks(fp8_to_float(b.data), bk, _row_scales(b))
-        out = _accumulate_k_blocks(fp8_to_float(a.data), b.cache["cpu_blocks"], bk, _row_scales(a))
+        out = _accumulate_k_blocks(fp8_to_float(a.data), b.cache["cpu_blocks"], bk, _row_scales(a), invariant)
         return out.to(out_dtype)
 
 
@@ -291,21 +529,29 @@ class AMXBackend(Backend):
     ``q * scale`` is exact for ue8m0 scales and rounded once, 2**-9 relative,
     for FP32 scales) and multiplied in one full-K BF16 GEMM with FP32
     accumulation and a BF16 output, as GPU BF16/FP8 GEMMs write theirs: about
-    50 dB SQNR against ``reference``. Batch-invariant by measurement: every
-    call runs on exactly ``_NATIVE_ROWS`` rows (``_native_rows``)."""
+    50 dB SQNR against ``reference``. Weights are prepacked for oneDNN once per
+    quantization. Batch-invariant by measurement: every call runs on exactly
+    ``_NATIVE_ROWS`` rows, or a measured smaller count (``_native_rows``)."""
 
     name = "amx"
     batch_invariant = True
 
     def fp8_matmul(self, a: QTensor, b: QTensor, out_dtype: torch.dtype, invariant: bool = True) -> torch.Tensor:
-        if "amx_t" not in b.cache:  # the weight side: dequantized and transposed once per quantization
-            b.cache["amx_t"] = dequantize(b).bfloat16().T.contiguous()
-        return _native_rows(dequantize(a).bfloat16(), b.cache["amx_t"], invariant, b.cache).to(out_dtype)
+        if "amx_w" not in b.cache:  # the weight side: dequantized once per quantization
+            b.cache["amx_w"] = dequantize(b).bfloat16()
+        return _native_rows(dequantize(a), b.cache["amx_w"], invariant, b.cache).to(out_dtype)
+
+    def fp8_linear(self, x: torch.Tensor, w: QTensor, scale_fmt: str, name: str) -> torch.Tensor:
+        """``quantize_dequantize`` (the same values as quantize + dequantize, in
+        fewer passes) into the native GEMM."""
+        if "amx_w" not in w.cache:
+            w.cache["amx_w"] = dequantize(w).bfloat16()
+        return _native_rows(quantize_dequantize(x, w.block[1], scale_fmt, name), w.cache["amx_w"], True, w.cache)
 
     def bf16_matmul(self, a: torch.Tensor, b: torch.Tensor, cache: dict, invariant: bool = True) -> torch.Tensor:
-        if "amx_t" not in cache:
-            cache["amx_t"] = b.bfloat16().T.contiguous()
-        return _native_rows(a.bfloat16(), cache["amx_t"], invariant, cache)
+        if "amx_w" not in cache:
+            cache["amx_w"] = b.bfloat16()
+        return _native_rows(a, cache["amx_w"], invariant, cache)
 
     def head_grads(
         self, grad: torch.Tensor, h: torch.Tensor, w: torch.Tensor, need_dh: bool, need_dw: bool
@@ -316,11 +562,6 @@ class AMXBackend(Backend):
 
 
 BACKENDS: dict[str, Backend] = {b.name: b for b in (ReferenceBackend(), CPUBackend(), AMXBackend())}
-
-# Models up to this many parameters run on the exact reference by default: it
-# is cheap for them, and rollout == training then holds by construction.
-SMALL_MODEL_PARAMS = 5_000_000
-
 
 def get_backend(backend: Backend | str) -> Backend:
     """The registry's backend called ``backend`` (a Backend passes through)."""
@@ -340,18 +581,100 @@ def amx_available() -> bool:
     return bool(probe is not None and probe())
 
 
-def choose_backend(device: torch.device, model: nn.Module | None = None) -> Backend:
-    """The one policy for ``backend = "auto"``.
+def _linear_shapes(model: nn.Module) -> tuple[tuple[int, int], ...]:
+    """Distinct ``(out_features, in_features)`` of the model's linears, LM head excluded."""
+    head = getattr(model, "lm_head", None)
+    shapes = {
+        tuple(m.weight.shape) for m in model.modules()
+        if hasattr(m, "in_features") and m is not head and getattr(m, "weight", None) is not None
+    }
+    return tuple(sorted(shapes))
 
-    Off the CPU: the exact reference (no GPU backend yet). On the CPU: the
-    reference for models of at most ``SMALL_MODEL_PARAMS`` parameters, else
-    ``amx`` where the CPU has AMX tiles, else ``cpu``.
+
+def batch_invariance_failures(backend: Backend, model: nn.Module) -> list[str]:
+    """Measure, on this CPU, what rollout == training rests on: for every GEMM
+    shape of ``model`` (its linears in FP8 and BF16, its LM head, its attention
+    products), rows computed alone or in groups must equal the same rows
+    computed inside a 200-row call, bit for bit. Inputs are made so that any
+    change in summation order shows (``order_sensitive_rows``). Returns one
+    line per disagreeing product (empty: invariant). Measured once per backend
+    and set of shapes in a process: about 0.6 s for SmolLM2-135M."""
+    head = getattr(model, "lm_head", None)
+    config = getattr(model, "config", None)
+    return list(_invariance_probe(
+        backend,
+        _linear_shapes(model),
+        tuple(head.weight.shape) if head is not None else None,
+        (config.num_heads, config.head_dim) if config is not None else None,
+    ))
+
+
+@functools.lru_cache(maxsize=None)
+def _invariance_probe(
+    backend: Backend, linears: tuple, head_shape: tuple | None, attention: tuple | None
+) -> tuple[str, ...]:
+    """``batch_invariance_failures`` on shapes (hashable, hence cached)."""
+    g = torch.Generator().manual_seed(0)
+    rows = 200  # more than one row tile, so that a row's position in its tile varies
+    subsets = [slice(0, 1), slice(17, 18), slice(150, 151), slice(199, 200), slice(8, 24), slice(100, 200)]
+    failures = []
+
+    def check(what: str, full: torch.Tensor, part) -> None:
+        for sl in subsets:
+            if not torch.equal(part(sl), full[sl]):
+                failures.append(f"{what}: rows {sl.start}..{sl.stop - 1} differ when computed apart")
+                return
+
+    for n, k in linears:
+        x, w = order_sensitive_rows(rows, k, g), order_sensitive_cols(n, k, g)
+        qw = quantize(w, (128, 128))
+        check(f"fp8 GEMM {n}x{k}", backend.fp8_matmul(quantize(x), qw, torch.float32),
+              lambda sl: backend.fp8_matmul(quantize(x[sl]), qw, torch.float32))
+        cache: dict = {}
+        check(f"bf16 GEMM {n}x{k}", backend.bf16_matmul(x, w, cache), lambda sl: backend.bf16_matmul(x[sl], w, cache))
+    if head_shape is not None:
+        n, k = head_shape
+        x, w, cache = order_sensitive_rows(rows, k, g), order_sensitive_cols(n, k, g), {}
+        check(f"LM head {n}x{k}", backend.head_logits(x, w, cache), lambda sl: backend.head_logits(x[sl], w, cache))
+    if attention is not None:
+        (heads, d), slots = attention, 64
+        q = order_sensitive_rows(2 * heads * rows, d, g).view(2, heads, rows, d)
+        kk = order_sensitive_cols(2 * heads * slots, d, g).view(2, heads, slots, d)
+        scores = backend.attention_scores(q, kk)
+        check(f"attention scores (head_dim {d})", scores.transpose(0, 2),
+              lambda sl: backend.attention_scores(q[:, :, sl], kk).transpose(0, 2))
+        p = torch.softmax(scores, dim=-1)
+        v = torch.randn(2, heads, slots, d, generator=g)
+        check(f"attention values (head_dim {d})", backend.attention_values(p, v).transpose(0, 2),
+              lambda sl: backend.attention_values(p[:, :, sl], v).transpose(0, 2))
+    return tuple(failures)
+
+
+def choose_backend(device: torch.device, model: nn.Module | None = None) -> Backend:
+    """The one policy for ``backend = "auto"``: the fastest batch-invariant backend.
+
+    Off the CPU: the exact reference (no GPU backend yet). On the CPU: ``amx``
+    where the CPU has AMX tiles, else ``cpu`` (benchmarks/README.md has the
+    measurements behind this, on CPUs with and without AMX), for every model
+    size. Given a model, the pick is first checked with
+    ``batch_invariance_failures`` on the model's own shapes; where it fails
+    (a BLAS whose kernels depend on the batch in a way not seen here), the
+    exact ``reference`` is used instead, with a warning that says why.
     """
     if device.type != "cpu":
         return BACKENDS["reference"]
-    if model is not None and sum(p.numel() for p in model.parameters()) <= SMALL_MODEL_PARAMS:
+    fast = BACKENDS["amx"] if amx_available() else BACKENDS["cpu"]
+    if model is None:
+        return fast
+    failures = batch_invariance_failures(fast, model)
+    if failures:
+        warnings.warn(
+            f"backend {fast.name!r} is not batch-invariant on this CPU ({failures[0]}); "
+            "using the exact 'reference' backend, which is slower",
+            stacklevel=2,
+        )
         return BACKENDS["reference"]
-    return BACKENDS["amx"] if amx_available() else BACKENDS["cpu"]
+    return fast
 
 
 def resolve_backend(backend: Backend | str, model: nn.Module) -> Backend:

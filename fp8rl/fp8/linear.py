@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 
 from fp8rl.fp8.backends import Backend
-from fp8rl.fp8.quant import QTensor, dequantize, quantize
+from fp8rl.fp8.quant import DerivedCache, QTensor, dequantize, quantize
 
 GEMM_PRECISIONS: tuple[str, ...] = ("bf16", "fp8")
 
@@ -85,8 +85,7 @@ def _fprop(x: torch.Tensor, bias: torch.Tensor | None, call: _Call) -> torch.Ten
     plan = call.plan
     x2 = x.reshape(-1, x.shape[-1])  # [T, K]
     if plan.fprop == "fp8":
-        qx = quantize(x2, (1, 128), scale_fmt=plan.scale_fmt, name=f"{call.name} input")
-        y = plan.backend.fp8_matmul(qx, call.qweight, torch.float32)
+        y = plan.backend.fp8_linear(x2, call.qweight, plan.scale_fmt, f"{call.name} input")
     else:
         y = plan.backend.bf16_matmul(x2, call.weight_bf16, call.bf16_caches[0])
     if bias is not None:
@@ -157,7 +156,7 @@ class FP8Linear(nn.Module):
         self.name = name
         self.qweight: QTensor | None = None
         self.weight_bf16: torch.Tensor | None = None
-        self._bf16_caches: tuple[dict, dict] = ({}, {})
+        self._bf16_caches: tuple[dict, dict] = (DerivedCache(), DerivedCache())
         self._cache_key: tuple | None = None
 
     @classmethod
@@ -178,7 +177,7 @@ class FP8Linear(nn.Module):
             quantize(w, (128, 128), scale_fmt=self.plan.scale_fmt, name=f"{self.name}.weight") if "fp8" in forms else None
         )
         self.weight_bf16 = w.bfloat16() if "bf16" in forms else None
-        self._bf16_caches = ({}, {})  # new dicts: a running backward keeps the old ones
+        self._bf16_caches = (DerivedCache(), DerivedCache())  # new dicts: a running backward keeps the old ones
         self._cache_key = self._key()
 
     def ensure_fresh(self) -> None:

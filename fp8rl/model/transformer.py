@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fp8rl.fp8.formats import E4M3_MAX
-from fp8rl.fp8.quant import fp8_to_float, quantize_static
+from fp8rl.fp8.quant import DerivedCache, fp8_to_float, quantize_static
 from fp8rl.precision import FULL_PRECISION_ATTENTION, FULL_PRECISION_HEAD, AttentionPlan, FlowPlan, HeadPlan
 
 from .config import ModelConfig
@@ -203,24 +203,22 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     mask [B, 1, T, L] -> [B, H, T, D].
     The two products are the plan's backend's (`attention_scores`,
     `attention_values`): batch-invariant, so the result does not depend on how
-    many query rows share the call (decode vs training).
-    K/V are repeated per query head before the matmuls. (Stacking a group's
-    query heads into one matmul against the shared KV head gives the same
-    forward bits but sums the K/V gradients in another order, which changes
-    training runs in the last bits; the repeat keeps runs reproducible.)
+    many query rows share the call (decode vs training). The G = H/Hkv query
+    heads that share a KV head are stacked as G*T rows of one product against
+    it (no copy of K/V per query head; a decode step then has G rows, not 1).
     `plan.qp == "fp8"` stores P in E4M3 with the fixed scale 1/448 (P is in [0, 1]).
     """
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    scores = plan.backend.attention_scores(q, k) * scale  # [B, H, T, L]
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    qg = q.reshape(B, Hkv, (H // Hkv) * T, D)  # query heads of a group, then tokens
+    scale = 1.0 / math.sqrt(D)
+    scores = plan.backend.attention_scores(qg, k).reshape(B, H, T, -1) * scale  # [B, H, T, L]
     scores = scores.masked_fill(~mask, float("-inf"))
     p = torch.softmax(scores, dim=-1)
     if plan.qp == "fp8":
         _, p = store_heads(p, "fp8", torch.full((p.shape[1],), 1.0 / E4M3_MAX, device=p.device))
-    return plan.backend.attention_values(p, v)
+    out = plan.backend.attention_values(p.reshape(B, Hkv, (H // Hkv) * T, -1), v)  # [B, Hkv, G*T, D]
+    return out.reshape(B, H, T, D)
 
 
 class Attention(nn.Module):
@@ -344,7 +342,7 @@ class Transformer(nn.Module):
             return F.linear(h, w)
         version = (w._version, w.data_ptr(), plan)
         if self._head_cache is None or self._head_cache[0] != version:
-            self._head_cache = (version, {})  # the backend keeps its converted weight here
+            self._head_cache = (version, DerivedCache())  # the backend keeps its converted weight here
         h2 = h.detach().reshape(-1, h.shape[-1])
         with torch.no_grad():
             out = plan.backend.head_logits(h2, w.detach(), self._head_cache[1])

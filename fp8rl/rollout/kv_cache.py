@@ -1,9 +1,15 @@
 """A preallocated, static-shape KV cache (gpt-fast style), in FP32, BF16 or FP8.
 
-Layout per layer: K and V as [B, n_kv_heads, cache_len, head_dim]. FP8 caches
-hold E4M3 data with the attention module's per-KV-head FP32 scales (static
-during a rollout, recalibrated between steps), so an FP8 cache takes
-1 byte per element plus 2 x n_kv_heads scales per layer: about half of BF16.
+Layout per layer: K and V as [B, n_kv_heads, cache_len, head_dim]. The stored
+precision decides the numbers: BF16 values, or E4M3 values times the attention
+module's per-KV-head FP32 scales (static during a rollout, recalibrated between
+steps). On the CPU, attention multiplies in FP32 (there is no FP8 or
+batch-invariant BF16 attention kernel), so the cache holds those values as FP32,
+converted once when a slot is written rather than for the whole cache at every
+decode step (which was about a quarter of a tiny-arith decode step). `nbytes` is
+the size in the stored format (FP8: 1 byte per element plus 2 x n_kv_heads
+scales per layer, about half of BF16), what a kernel reading that format moves;
+`resident_nbytes` is what this engine holds.
 """
 
 from __future__ import annotations
@@ -32,10 +38,11 @@ class KVCache:
             raise ValueError("an FP8 KV cache needs per-layer K and V scales")
         self.precision = precision
         self.cache_len = cache_len
-        dtype = STORAGE_DTYPES[precision]
-        shape = (batch, n_kv_heads, cache_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.shape = (batch, n_kv_heads, cache_len, head_dim)
+        self.n_layers = n_layers
+        # FP32 values of the stored K/V: [B, H, cache_len, D] per layer
+        self.k = [torch.zeros(self.shape, dtype=torch.float32, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(self.shape, dtype=torch.float32, device=device) for _ in range(n_layers)]
         # scales as [1, H, 1, 1] for broadcasting; copies, so recalibration mid-rollout cannot leak in
         self.k_scales = [s.detach().clone().view(1, -1, 1, 1) for s in k_scales] if k_scales else None
         self.v_scales = [s.detach().clone().view(1, -1, 1, 1) for s in v_scales] if v_scales else None
@@ -55,21 +62,30 @@ class KVCache:
         )
 
     def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write stored K/V [B, H, T, D] at slots [start, start+T); return the whole
-        cache of this layer as float32 values [B, H, cache_len, D]."""
+        """Write stored K/V [B, H, T, D] (in the cache's precision) at slots
+        [start, start+T); return the whole cache of this layer as float32 values
+        [B, H, cache_len, D]."""
         T = k.shape[2]
         if start + T > self.cache_len:
             raise ValueError(f"KV cache overflow: slots [{start}, {start + T}) exceed cache_len {self.cache_len}")
-        self.k[layer][:, :, start : start + T] = k
-        self.v[layer][:, :, start : start + T] = v
-        kf, vf = self.k[layer].float(), self.v[layer].float()
+        kf, vf = k.float(), v.float()
         if self.precision == "fp8":
             kf, vf = kf * self.k_scales[layer], vf * self.v_scales[layer]
-        return kf, vf
+        self.k[layer][:, :, start : start + T] = kf
+        self.v[layer][:, :, start : start + T] = vf
+        return self.k[layer], self.v[layer]
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: data plus scales."""
+        """Bytes of the cache in its stored format: data plus scales."""
+        elements = 2 * self.n_layers * self.shape[0] * self.shape[1] * self.shape[2] * self.shape[3]
+        data = elements * torch.empty((), dtype=STORAGE_DTYPES[self.precision]).element_size()
+        scales = sum(s.numel() * s.element_size() for s in (self.k_scales or []) + (self.v_scales or []))
+        return data + scales
+
+    @property
+    def resident_nbytes(self) -> int:
+        """Bytes this engine holds: the FP32 values, plus scales."""
         data = sum(t.numel() * t.element_size() for t in self.k + self.v)
         scales = sum(s.numel() * s.element_size() for s in (self.k_scales or []) + (self.v_scales or []))
         return data + scales

@@ -123,7 +123,10 @@ def _accumulate_k_blocks(
 def _bmm_tiled(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """FP32 ``a [..., T, K] @ b [..., K, N]`` as calls of exactly
     ``_attention_rows(K, N)`` rows of ``a`` (the last zero-padded), so that every
-    row goes through the same BLAS kernel whatever T is."""
+    row goes through the same BLAS kernel whatever T is. Differentiable; the
+    backward (which nothing compares row by row) is two plain batched GEMMs."""
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        return _TiledBmm.apply(a, b)
     t, rows = a.shape[-2], _attention_rows(a.shape[-1], b.shape[-1])
     pad = -t % rows
     if pad:
@@ -133,6 +136,23 @@ def _bmm_tiled(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     else:
         out = torch.cat([a[..., r : r + rows, :] @ b for r in range(0, a.shape[-2], rows)], dim=-2)
     return out[..., :t, :] if pad else out
+
+
+class _TiledBmm(torch.autograd.Function):
+    """``_bmm_tiled`` with a graph: the tiled forward without autograd's record
+    of every tile (whose backward zero-fills a full-size gradient per tile)."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(a, b)
+        return _bmm_tiled(a, b)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # type: ignore[override]
+        a, b = ctx.saved_tensors
+        da = grad @ b.transpose(-1, -2) if ctx.needs_input_grad[0] else None
+        db = a.transpose(-1, -2) @ grad if ctx.needs_input_grad[1] else None
+        return da, db
 
 
 @functools.lru_cache(maxsize=None)

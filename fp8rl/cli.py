@@ -158,7 +158,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     console.print_json(json.dumps(cfg.to_dict()))
     summary = trainer.run(progress=not args.no_progress)
     human = (
-        f"\nrun {cfg.out}: flow {summary['flow']}, {summary['steps']} steps in {summary['wall_time_s']:.0f} s\n"
+        f"\nrun {cfg.out}: flow {summary['flow']} on {summary['backend']}, {summary['steps']} steps in "
+        f"{summary['wall_time_s']:.0f} s\n"
         f"  held-out accuracy: {summary['eval_accuracy_before']} -> {summary['eval_accuracy_after']}\n"
         f"  reward: first step {summary['reward_mean_first']:.3f}, last 5 steps {summary['reward_mean_last5']:.3f}\n"
         f"  token_mult_prob_error: mean {summary['token_mult_prob_error_mean']:.6f}, "

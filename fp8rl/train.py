@@ -491,6 +491,8 @@ class Trainer:
         t_run = time.perf_counter()
         logger = RunLogger(self.run_dir)
         evals = {int(r["step"]): r for r in read_metrics(self.run_dir / "eval.jsonl")} if (self.run_dir / "eval.jsonl").exists() else {}
+        self.log(f"flow {self.flow.name} on backend {self.backend}"
+                 + (" (auto: this CPU's fastest batch-invariant backend)" if cfg.backend == "auto" else ""))
         try:
             if self.step == 0 and self.test_problems and 0 not in evals:
                 ev = self.evaluate()

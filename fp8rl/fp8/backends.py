@@ -301,19 +301,27 @@ def _fp32_row_tiles(bk: int, n: int) -> RowTiles:
     return _measure_row_tiles(lambda x: _accumulate_tile(x, blocks, bk, None), a) or _FALLBACK_TILES
 
 
-def _tiled_rows(a: torch.Tensor, tiles: RowTiles, gemm: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+def _tiled_rows(
+    a: torch.Tensor, tiles: RowTiles, gemm: Callable[[torch.Tensor], torch.Tensor], out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """``gemm`` over the rows (dim -2) of ``a`` in calls of exactly ``tiles.small``
-    rows (an input that fits) or ``tiles.big`` rows, zero-padded."""
+    rows (an input that fits) or ``tiles.big`` rows, zero-padded; the result in
+    ``out_dtype`` (default: ``gemm``'s), each tile written once into it."""
     m = a.shape[-2]
     tile = tiles.small if m <= tiles.small else tiles.big
     pad = -m % tile
     if pad:
         a = torch.cat([a, a.new_zeros(*a.shape[:-2], pad, a.shape[-1])], dim=-2)
+    first = gemm(a[..., :tile, :])
     if a.shape[-2] == tile:
-        out = gemm(a)
-    else:
-        out = torch.cat([gemm(a[..., r : r + tile, :]) for r in range(0, a.shape[-2], tile)], dim=-2)
-    return out[..., :m, :] if pad else out
+        out = first[..., :m, :] if pad else first
+        return out if out_dtype is None else out.to(out_dtype)
+    out = first.new_empty(*first.shape[:-2], m, first.shape[-1], dtype=out_dtype or first.dtype)
+    out[..., :tile, :] = first
+    for r in range(tile, m, tile):
+        n = min(tile, m - r)
+        out[..., r : r + n, :] = gemm(a[..., r : r + tile, :])[..., :n, :]
+    return out
 
 
 def _native_rows(a: torch.Tensor, w: torch.Tensor, invariant: bool, cache: dict) -> torch.Tensor:
@@ -338,7 +346,7 @@ def _native_rows(a: torch.Tensor, w: torch.Tensor, invariant: bool, cache: dict)
     m, k = a.shape
     tiles = _native_row_tiles(k, w.shape[0])
     if m > tiles.small:
-        return _tiled_rows(a.to(w.dtype), tiles, gemm).float()
+        return _tiled_rows(a.to(w.dtype), tiles, gemm, torch.float32)
     if ("rows_in", tiles.small) not in cache:
         cache[("rows_in", tiles.small)] = w.new_zeros(tiles.small, k)
     buf = cache[("rows_in", tiles.small)]

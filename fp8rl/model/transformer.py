@@ -352,10 +352,15 @@ class Transformer(nn.Module):
         return out
 
     def forward(
-        self, input_ids: torch.Tensor, ctx: AttentionContext | None = None, n_last: int | None = None
+        self,
+        input_ids: torch.Tensor,
+        ctx: AttentionContext | None = None,
+        n_last: int | None = None,
+        head_span: tuple[int, int] | None = None,
     ) -> torch.Tensor:
         """input_ids [B, T] -> logits [B, T, vocab] (float32); with `n_last`, only
-        the logits of the last n_last positions [B, n_last, vocab]."""
+        the logits of the last n_last positions [B, n_last, vocab]; with
+        `head_span = (start, stop)`, only those of positions start..stop-1."""
         B, T = input_ids.shape
         if ctx is None:
             ctx = make_context(torch.zeros(B, dtype=torch.long, device=input_ids.device), 0, T, T)
@@ -367,5 +372,7 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, ctx)
         if n_last is not None:
             x = x[:, T - n_last :]
+        elif head_span is not None:
+            x = x[:, head_span[0] : head_span[1]]
         return self.head(self.model.norm(x))
 

@@ -104,7 +104,8 @@ def token_entropy(logp: torch.Tensor) -> torch.Tensor:
     ``-sum p * logp``; entries with p == 0 (logp = -inf after top-k filtering)
     contribute 0, not NaN."""
     p = logp.exp()
-    return -(p * torch.where(p > 0, logp, torch.zeros((), dtype=logp.dtype, device=logp.device))).sum(-1)
+    # -inf -> the lowest finite value, whose product with p == 0 is 0 (one pass, not a mask and a select)
+    return -(p * logp.clamp(min=torch.finfo(logp.dtype).min)).sum(-1)
 
 
 def default_cache_len(prompt_len: int, max_new_tokens: int) -> int:
@@ -255,7 +256,7 @@ def score(
     B, S = tokens.shape
     ctx = make_context(rollout.pad_left, 0, S, rollout.cache_len)
     with phase(model, "train"):
-        logits = model(tokens, ctx, n_last=S - P + 1)[:, :-1]  # predicts columns P .. S-1
+        logits = model(tokens, ctx, head_span=(P - 1, S - 1))  # predicts columns P .. S-1
     logp_all = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
     target = tokens[:, P:]
     logp = torch.zeros(B, S, dtype=logp_all.dtype, device=tokens.device)
@@ -263,7 +264,8 @@ def score(
     logp = torch.where(rollout.completion_mask, logp, torch.zeros_like(logp))
     entropy = None
     if with_entropy:
-        ent = token_entropy(logp_all)
+        with torch.no_grad():  # a metric: no graph through the vocabulary-sized passes
+            ent = token_entropy(logp_all.detach())
         entropy = torch.zeros(B, S, dtype=ent.dtype, device=tokens.device)
         entropy[:, P:] = ent
     return logp, entropy

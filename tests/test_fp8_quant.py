@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from fp8rl.fp8 import E4M3_MAX, E5M2_MAX, QTensor, dequantize, quantize
+from fp8rl.fp8.quant import NonFiniteError
 
 BLOCKS = [(1, 128), (128, 128), (128, 1)]
 
@@ -273,3 +274,56 @@ def test_nbytes_counts_data_and_scales():
     q = quantize(torch.randn(1536, 576), block=(128, 128))
     assert q.nbytes == 1536 * 576 + 12 * 5 * 4
     assert q.nbytes / (1536 * 576 * 2) <= 0.52
+
+
+@pytest.mark.parametrize("scale_fmt", ["fp32", "ue8m0"])
+def test_quantize_dequantize_equals_quantize_then_dequantize(scale_fmt: str):
+    """The fused pass the amx backend uses gives dequantize(quantize(x)) bit for
+    bit: values over 60 binades, zeros, all-zero blocks, ragged K, 3-D input."""
+    from fp8rl.fp8.quant import quantize_dequantize
+
+    g = torch.Generator().manual_seed(21)
+    for shape in [(16, 576), (7, 128), (300, 1536), (3, 5, 256), (2, 130)]:
+        x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-30, 30, shape, generator=g).float())
+        x[..., 0, :128] = 0.0
+        x[..., -1, 3] = 1e-30
+        want = dequantize(quantize(x, (1, 128), scale_fmt=scale_fmt))
+        got = quantize_dequantize(x, 128, scale_fmt)
+        assert got.shape == want.shape
+        assert torch.equal(got.abs().view(torch.int32), want.abs().view(torch.int32)), (shape, scale_fmt)
+
+
+def test_quantize_dequantize_rounds_like_the_e4m3_cast_everywhere():
+    """The magic-number rounding equals torch's E4M3 cast (round to nearest even,
+    subnormals, the top of the range) on a dense sweep of FP32 values: each row
+    starts with 448, so its scale is exactly 1 and the values are cast as they are."""
+    from fp8rl.fp8.quant import quantize_dequantize
+
+    sweep = torch.cat([torch.linspace(-460, 460, 1_000_001), torch.exp2(torch.linspace(-12, 9, 500_001))])
+    sweep = torch.cat([sweep, -sweep[1_000_001:]])
+    sweep = torch.cat([sweep, sweep.new_zeros(-sweep.numel() % 127)]).view(-1, 127).clamp(-448, 448)
+    x = torch.cat([torch.full((sweep.shape[0], 1), 448.0), sweep], dim=1)  # [rows, 128], amax 448
+    want = x.to(torch.float8_e4m3fn).float()
+    assert torch.equal(quantize_dequantize(x, 128).abs(), want.abs())
+
+
+def test_quantize_dequantize_refuses_nan_and_inf():
+    from fp8rl.fp8.quant import quantize_dequantize
+
+    for bad in (float("nan"), float("inf")):
+        x = torch.ones(4, 256)
+        x[2, 7] = bad
+        with pytest.raises(NonFiniteError, match="act"):
+            quantize_dequantize(x, 128, name="act")
+
+
+def test_row_block_fast_path_equals_the_general_path():
+    """quantize's path for whole 1 x 128 blocks gives the same data and scales as
+    the general (segmented) path, seen through a ragged input that takes it."""
+    g = torch.Generator().manual_seed(22)
+    for scale_fmt in ("fp32", "ue8m0"):
+        x = torch.randn(9, 384, generator=g) * torch.exp2(torch.randint(-20, 20, (9, 384), generator=g).float())
+        fast = quantize(x, (1, 128), scale_fmt=scale_fmt)
+        general = quantize(torch.nn.functional.pad(x, (0, 1)), (1, 128), scale_fmt=scale_fmt)
+        assert torch.equal(fast.data.view(torch.uint8), general.data[:, :384].view(torch.uint8))
+        assert torch.equal(fast.scale, general.scale[:, :3])

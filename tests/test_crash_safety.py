@@ -26,8 +26,13 @@ HERE = Path(__file__).resolve().parent
 TIMING = {"time_rollout_s", "time_train_s", "time_sync_s", "time_step_s", "rollout_tokens_per_s", "peak_mem_bytes"}
 STEPS = 4
 # Checkpoints at steps 2 and 4, one kept: the save at step 4 prunes step_2.
+# On the exact reference backend, as before 2026-12-01 when `auto` picked it for the
+# tiny policy: this matrix tests exact resumption. On `amx`, a killed-and-resumed run
+# showed token_mult_prob_error 1.0011 at its first step in about 1 of 6 attempts
+# (never in 12 uninterrupted runs); that open defect is recorded in docs/design.md
+# section 3 ("Known defect") and is not what these tests are about.
 RUN_ARGS = [
-    "--steps", str(STEPS), "--no-progress", "--json",
+    "--steps", str(STEPS), "--no-progress", "--json", "--backend", "reference",
     "--set", "rollout.prompts_per_step=2", "--set", "rollout.group_size=2", "--set", "rollout.max_new_tokens=8",
     "--set", "eval.n=2", "--set", "eval.every=2", "--set", "eval.max_new_tokens=8",
     "--set", "checkpoint.every=2", "--set", "checkpoint.keep_last=1", "--set", "train.lr=1e-3",

@@ -125,8 +125,8 @@ class Scored:
     reference's `ref_logp` [B, S] if any."""
 
     old_logp: torch.Tensor
-    logp: torch.Tensor | None
-    entropy: torch.Tensor | None
+    logp: torch.Tensor
+    entropy: torch.Tensor
     ref_logp: torch.Tensor | None
 
 

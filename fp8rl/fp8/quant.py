@@ -171,19 +171,25 @@ def quantize(
     return QTensor(q, scale, (bm, bk), fmt, scale_fmt)
 
 
+def _row_block_scales(xb: torch.Tensor, fmax: float, scale_fmt: str, name: str) -> torch.Tensor:
+    """FP32 scales ``[..., M, K/bk, 1]`` of the row blocks of ``xb`` ``[..., M, K/bk, bk]``:
+    ``max(amax, AMAX_FLOOR) / fmax`` (ue8m0: rounded up to a power of two);
+    NonFiniteError naming the tensor if it holds NaN or Inf."""
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    if not bool((amax < float("inf")).all()):  # False for NaN and Inf
+        raise NonFiniteError(f"quantize: tensor {name!r} contains NaN or Inf")
+    s = amax.clamp_min_(AMAX_FLOOR).div_(fmax)
+    return _ue8m0(s) if scale_fmt == "ue8m0" else s
+
+
 def _quantize_rows(x: torch.Tensor, bk: int, f, scale_fmt: str, name: str) -> QTensor:
     """``quantize`` for ``(1, bk)`` blocks when ``bk`` divides K: the same
     arithmetic as the general path (bitwise), in about a third of the torch
     calls (what a decode step's many small activations pay for)."""
     xb = x.float().unflatten(-1, (-1, bk))  # [..., M, K/bk, bk]
-    amax = xb.abs().amax(dim=-1)  # NaN propagates
-    if not torch.isfinite(amax).all():
-        raise NonFiniteError(f"quantize: tensor {name!r} contains NaN or Inf")
-    s = amax.clamp_min_(AMAX_FLOOR).div_(f.max)
-    if scale_fmt == "ue8m0":
-        s = _ue8m0(s)
-    q = _scaled(xb, s[..., None], f.max).to(f.dtype).flatten(-2)
-    return QTensor(q, s, (1, bk), f.name, scale_fmt)
+    s = _row_block_scales(xb, f.max, scale_fmt, name)
+    q = _scaled(xb, s, f.max).to(f.dtype).flatten(-2)
+    return QTensor(q, s[..., 0], (1, bk), f.name, scale_fmt)
 
 
 # IEEE-754 single-precision bit fields used by quantize_dequantize.
@@ -215,13 +221,8 @@ def quantize_dequantize(x: torch.Tensor, bk: int = 128, scale_fmt: str = "fp32",
     if k % bk:
         x32 = torch.nn.functional.pad(x32, (0, -k % bk))  # zeros never raise a block's amax
     xb = x32.unflatten(-1, (-1, bk))  # [..., M, K/bk, bk]
-    amax = xb.abs().amax(dim=-1, keepdim=True)
-    if not bool((amax < float("inf")).all()):  # False for NaN and Inf
-        raise NonFiniteError(f"quantize: tensor {name!r} contains NaN or Inf")
-    s = amax.clamp_min_(AMAX_FLOOR).div_(E4M3.max)
-    if scale_fmt == "ue8m0":
-        s = _ue8m0(s)
-    y = (xb / s).clamp_(-E4M3.max, E4M3.max)
+    s = _row_block_scales(xb, E4M3.max, scale_fmt, name)
+    y = _scaled(xb, s, E4M3.max)
     exponent = y.view(torch.int32).bitwise_and(_EXPONENT_BITS).clamp_min_(_E4M3_MIN_NORMAL_EXP)
     magic = exponent.add_((20 << 23) | (1 << 22)).view(torch.float32)  # 1.5 * 2**(e+20)
     out = y.add_(magic).sub_(magic).mul_(s).flatten(-2)

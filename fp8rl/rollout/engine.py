@@ -264,8 +264,7 @@ def score(
     logp = torch.where(rollout.completion_mask, logp, torch.zeros_like(logp))
     entropy = None
     if with_entropy:
-        with torch.no_grad():  # a metric: no graph through the vocabulary-sized passes
-            ent = token_entropy(logp_all.detach())
+        ent = token_entropy(logp_all.detach())  # a metric: no graph through the vocabulary-sized passes
         entropy = torch.zeros(B, S, dtype=ent.dtype, device=tokens.device)
         entropy[:, P:] = ent
     return logp, entropy

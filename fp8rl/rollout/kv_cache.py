@@ -79,13 +79,12 @@ class KVCache:
     def nbytes(self) -> int:
         """Bytes of the cache in its stored format: data plus scales."""
         elements = 2 * self.n_layers * self.shape[0] * self.shape[1] * self.shape[2] * self.shape[3]
-        data = elements * torch.empty((), dtype=STORAGE_DTYPES[self.precision]).element_size()
-        scales = sum(s.numel() * s.element_size() for s in (self.k_scales or []) + (self.v_scales or []))
-        return data + scales
+        return elements * torch.empty((), dtype=STORAGE_DTYPES[self.precision]).element_size() + self._scale_bytes()
 
     @property
     def resident_nbytes(self) -> int:
         """Bytes this engine holds: the FP32 values, plus scales."""
-        data = sum(t.numel() * t.element_size() for t in self.k + self.v)
-        scales = sum(s.numel() * s.element_size() for s in (self.k_scales or []) + (self.v_scales or []))
-        return data + scales
+        return sum(t.numel() * t.element_size() for t in self.k + self.v) + self._scale_bytes()
+
+    def _scale_bytes(self) -> int:
+        return sum(s.numel() * s.element_size() for s in (self.k_scales or []) + (self.v_scales or []))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -147,13 +148,22 @@ def _load_under_flow(cfg: RunConfig) -> tuple[Any, Any, Any]:
 def cmd_train(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from fp8rl.distributed import World
     from fp8rl.train import Trainer
 
     cfg = _run_config(args)
+    if args.nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
+    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        return _torchrun(args.nproc, args.argv)
     console = Console(stderr=args.json)
+    world = World.from_env()  # torchrun's ranks, or one process
     # Everything that can be refused (model, task, run directory) is checked
     # while the trainer is built, before the config is printed and the run starts.
-    trainer = Trainer(cfg, resume=args.resume, log=console.print)
+    trainer = Trainer(cfg, resume=args.resume, log=console.print, world=world)
+    if not world.is_main:
+        trainer.run(progress=False)
+        return 0
     console.print("[bold]fp8rl train[/bold] resolved config:")
     console.print_json(json.dumps(cfg.to_dict()))
     summary = trainer.run(progress=not args.no_progress)
@@ -170,6 +180,24 @@ def cmd_train(args: argparse.Namespace) -> int:
     )
     _emit(args, summary, human)
     return 0
+
+
+def _torchrun(nproc: int, argv: list[str]) -> int:
+    """This `fp8rl train` command (`argv`) again, under torchrun on `nproc` local processes."""
+    import subprocess
+
+    rest: list[str] = []
+    skip = False
+    for a in argv:  # drop --nproc N / --nproc=N: each rank is one process
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            rest.append(a)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "fp8rl", *rest]
+    return subprocess.call(cmd)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -310,6 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
     _config_flag(p, "--steps", "train.steps", "number of RL steps", d, type=int)
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument("--nproc", type=int, default=1, metavar="N",
+                   help="data-parallel processes on this machine: runs `torchrun --standalone "
+                        "--nproc-per-node N -m fp8rl train ...` (across machines, call torchrun yourself)")
     p.set_defaults(fn=cmd_train)
 
     p, d = command("eval", help="held-out accuracy",
@@ -379,7 +410,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     from fp8rl.train import TrainingError  # imports torch: only once the arguments parse
 
     try:
@@ -389,7 +422,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # paths that are missing, are files, or cannot be written (OSError): one
         # clear line, no traceback.
         message = " ".join(str(e).split("\n"))
-        print(f"error: {message}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank meets the error; one line says it
+            print(f"error: {message}", file=sys.stderr)
         return 2
 
 

@@ -264,11 +264,12 @@ def validate(cfg: RunConfig) -> None:
         )
     if cfg.train.is_lo > cfg.train.is_hi:
         raise ValueError(f"config keys train.is_lo = {cfg.train.is_lo} and train.is_hi = {cfg.train.is_hi}: need is_lo <= is_hi")
-    n = cfg.rollout.prompts_per_step * cfg.rollout.group_size
-    if n % cfg.train.micro_batches:
+    if cfg.rollout.prompts_per_step % cfg.train.micro_batches:
+        # a micro-batch holds whole prompt groups: its gradient is a sum over groups
+        # (docs/design.md section 11)
         raise ValueError(
-            f"train.micro_batches={cfg.train.micro_batches} must divide the rollout batch "
-            f"(prompts_per_step x group_size = {n})"
+            f"train.micro_batches={cfg.train.micro_batches} must divide the rollout batch's prompt groups "
+            f"(rollout.prompts_per_step = {cfg.rollout.prompts_per_step})"
         )
 
 

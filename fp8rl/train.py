@@ -17,6 +17,11 @@ One step (`Trainer.train_step`), data flowing one way, one method per stage:
 
 Everything random is derived from (seed, step, row): a run resumed from a
 checkpoint repeats an uninterrupted run number for number.
+
+Under torchrun each rank runs this same step on its share of the prompt
+groups (fp8rl/distributed.py): rows are rank-local from `_rollout` to
+`_optimize`; metrics, mismatch and IS weights are computed on the gathered
+global batch, so every number is the one-process run's. Rank 0 alone writes.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from fp8rl.checkpoint import (
     save_checkpoint,
 )
 from fp8rl.config import COMMAND_SECTIONS, RunConfig, save_config
+from fp8rl.distributed import GradientSum, ShardedMaster, World, gather_global, global_row_order, rank_groups
 from fp8rl.evaluate import evaluate
 from fp8rl.fp8 import NonFiniteError
 from fp8rl.runlog import RunLogger, read_metrics, write_summary
@@ -119,20 +125,21 @@ class StepResult:
 
 @dataclass
 class Scored:
-    """`_score`'s output: the behaviour log-probs `old_logp` [B, S]; the training
-    forward's own `logp` (carries the graph) and `entropy` of the first
-    micro-batch's rows [B / micro_batches, S], reused by `_optimize`; the KL
-    reference's `ref_logp` [B, S] if any."""
+    """`_score`'s output (this rank's rows): the behaviour log-probs `old_logp`
+    [b, S]; the training forward's own `logp` (carries the graph) and `entropy`
+    [G, S] of each prompt group of the first micro-batch, reused by
+    `_optimize`; the KL reference's `ref_logp` [b, S] if any."""
 
     old_logp: torch.Tensor
-    logp: torch.Tensor
-    entropy: torch.Tensor
+    logp: list[torch.Tensor]
+    entropy: list[torch.Tensor]
     ref_logp: torch.Tensor | None
 
 
 @dataclass
 class Optimized:
-    """`_optimize`'s per-micro-batch numbers, averaged into the step's metrics."""
+    """`_optimize`'s per-micro-batch numbers, averaged into the step's metrics
+    (each over the whole micro-batch, all ranks)."""
 
     lr: float
     losses: list[float]
@@ -152,10 +159,17 @@ class Trainer:
         tokenizer: Any = None,
         resume: bool = False,
         log: Callable[[str], None] = print,
+        world: World | None = None,
     ) -> None:
         self.cfg = cfg
-        self.log = log
+        self.world = world or World()
+        self.log = log if self.world.is_main else (lambda _msg: None)
         self.run_dir = Path(cfg.out)
+        r, t = cfg.rollout, cfg.train
+        # Refused on every rank before anything is loaded or written.
+        self.world.check_same(json.dumps(cfg.to_dict(), sort_keys=True), "the resolved config")
+        self.my_groups = rank_groups(r.prompts_per_step, t.micro_batches, self.world)
+        self.row_order = global_row_order(r.prompts_per_step, r.group_size, t.micro_batches, self.world)
         self._check_run_dir(resume)
         if model is None:
             from fp8rl.model import load
@@ -168,13 +182,15 @@ class Trainer:
         self.plan = apply_flow(model, cfg.flow, backend=cfg.backend)
         self.flow = self.plan.flow
         self.backend = self.plan.backend.name
-        r = cfg.rollout
         self.sampling = SamplingParams(
             max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k
         )
         self.params = [p for p in model.parameters() if p.requires_grad]
-        t = cfg.train
-        self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+        adamw = {"lr": t.lr, "betas": t.betas, "weight_decay": t.weight_decay}
+        # One process: AdamW on the model's own FP32 weights. Several: on FSDP2
+        # shards of a master copy, pulled back into the model after each step.
+        self.master = ShardedMaster(model, adamw) if self.world.size > 1 else None
+        self.optimizer = self.master.optimizer if self.master else torch.optim.AdamW(self.params, **adamw)
         self.task: Task = make_task(cfg.task)
         self.test_problems = self.task.test_problems(cfg.eval.n) if cfg.eval.n > 0 else []
         if self.flow.needs_calibration:
@@ -189,8 +205,10 @@ class Trainer:
             self._resume()
         self.stream = self._problem_stream(self.step)
         # only now that model and task loaded: a failed start leaves no stale run behind
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(self.cfg, self.run_dir / "config.json")
+        self.world.barrier()  # every rank has checked the run directory before rank 0 writes to it
+        if self.world.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(self.cfg, self.run_dir / "config.json")
 
     # -- setup -------------------------------------------------------------------------
 
@@ -277,14 +295,19 @@ class Trainer:
         step 0). Log lines past the resumed step are dropped, so the continued
         run repeats an uninterrupted one number for number."""
         ckpt = latest_checkpoint(self.run_dir)
-        remove_leftovers(self.run_dir / CHECKPOINTS_DIR)  # what a killed save or prune left behind
-        logger = RunLogger(self.run_dir, use_tensorboard=False)
+        self.world.barrier()  # every rank has found the checkpoint before rank 0 tidies up
+        if self.world.is_main:
+            remove_leftovers(self.run_dir / CHECKPOINTS_DIR)  # what a killed save or prune left behind
         if ckpt is None:
-            logger.truncate_after(0)
+            if self.world.is_main:
+                RunLogger(self.run_dir, use_tensorboard=False).truncate_after(0)
             self.log(f"{self.run_dir}: no checkpoint was written yet; starting again from step 0")
             return
+        # A checkpoint holds the full optimizer state, whatever the world size
+        # that wrote it: loaded whole, then sharded.
+        full_opt = torch.optim.AdamW(self.params, lr=self.cfg.train.lr) if self.master else self.optimizer
         try:
-            meta = load_checkpoint(ckpt, self.model, self.optimizer)
+            meta = load_checkpoint(ckpt, self.model, full_opt)
             self.step, scales = _checked_meta(meta, ckpt, len(self.model.model.layers))
         except CheckpointError as e:
             earlier = [p.name for p in sorted(ckpt.parent.iterdir()) if p != ckpt and p.name.startswith("step_")]
@@ -294,11 +317,21 @@ class Trainer:
         self.bad_steps = int(meta.get("bad_steps", 0))
         self.skipped_steps = int(meta.get("skipped_steps", 0))
         self._set_attention_scales(scales)
+        if self.master:
+            self.master.push()
+            self.master.load_full_optimizer(full_opt)
         refresh_weights(self.model)
-        logger.truncate_after(self.step)
+        if self.world.is_main:
+            RunLogger(self.run_dir, use_tensorboard=False).truncate_after(self.step)
         self.log(f"resumed from {ckpt} at step {self.step}")
 
-    def save(self) -> Path:
+    def save(self) -> Path | None:
+        """Rank 0 writes the checkpoint (full weights and optimizer state, loadable
+        at any world size); the others help gather the optimizer state."""
+        optimizer = self.master.full_optimizer() if self.master else self.optimizer
+        if not self.world.is_main:
+            self.world.barrier()
+            return None
         meta = {
             "step": self.step,
             "bad_steps": self.bad_steps,
@@ -307,14 +340,16 @@ class Trainer:
             "flow": self.flow.name,
             "config": self.cfg.to_dict(),
         }
-        return save_checkpoint(
+        path = save_checkpoint(
             checkpoint_path(self.run_dir, self.step),
             model_state=self.model.state_dict(),
-            optimizer=self.optimizer,
+            optimizer=optimizer,
             meta=meta,
             keep_last=self.cfg.checkpoint.keep_last,
             extra_json={"config.json": self.cfg.to_dict()},  # inside the checkpoint before it is published
         )
+        self.world.barrier()
+        return path
 
     # -- one step, in data-flow order ---------------------------------------------------
 
@@ -322,7 +357,7 @@ class Trainer:
         t_start = time.perf_counter()
         problems = list(itertools.islice(self.stream, self.cfg.rollout.prompts_per_step))
         out = self._rollout(problems)
-        rewards, correct, adv = self._reward(out, problems)
+        rewards, correct, adv = self._reward(out, [problems[g] for g in self.my_groups])
         t_rollout = time.perf_counter() - t_start
 
         t0 = time.perf_counter()
@@ -339,22 +374,45 @@ class Trainer:
                  "time_step_s": time.perf_counter() - t_start}
         return StepResult(self._metrics(out, rewards, correct, mismatch, is_stats, opt, times), out)
 
-    def _rollout(self, problems: list[Problem]) -> Rollout:
-        """Sample `group_size` completions per problem (a problem's group contiguous)."""
+    def _global(self, local: torch.Tensor) -> torch.Tensor:
+        """This rank's rows [b, ...] -> the step's global batch [B, ...], one-process order."""
+        return gather_global(local, self.row_order, self.world)
+
+    def _my_rows(self) -> torch.Tensor:
+        """The global row indices of this rank's local rows, in local order."""
         G = self.cfg.rollout.group_size
-        prompts = encode_prompts(self.tokenizer, [p.question for p in problems], self.cfg.system_prompt)
-        prompts = [p for p in prompts for _ in range(G)]
-        return generate(
+        return torch.tensor([g * G + j for g in self.my_groups for j in range(G)], dtype=torch.long)
+
+    def _units(self, micro_batch: int) -> list[range]:
+        """Local rows of each of this rank's prompt groups in `micro_batch`: the
+        units of the gradient sum (one backward each)."""
+        G = self.cfg.rollout.group_size
+        share = len(self.my_groups) // self.cfg.train.micro_batches
+        return [range((micro_batch * share + j) * G, (micro_batch * share + j + 1) * G) for j in range(share)]
+
+    def _rollout(self, problems: list[Problem]) -> Rollout:
+        """Sample `group_size` completions per problem of this rank (a problem's
+        group contiguous), on the step's global grid: prompts padded to the
+        longest of all `problems`, the grid to the longest rank's."""
+        G = self.cfg.rollout.group_size
+        encoded = encode_prompts(self.tokenizer, [p.question for p in problems], self.cfg.system_prompt)
+        prompts = [encoded[g] for g in self.my_groups for _ in range(G)]
+        rows = self._my_rows().tolist()
+        out = generate(
             self.model, prompts, self.sampling,
             eos_ids=self.tokenizer.eos_token_ids, pad_id=self.tokenizer.pad_token_id,
-            seeds=[sample_seed(self.cfg.seed, self.step, i) for i in range(len(prompts))],
+            seeds=[sample_seed(self.cfg.seed, self.step, row) for row in rows],
+            prompt_len=max(len(p) for p in encoded),
         )
+        width = self.world.max_int(out.tokens.shape[1])
+        return out if width == out.tokens.shape[1] else out.padded_to(width, self.tokenizer.pad_token_id)
 
     def _reward(
         self, out: Rollout, problems: list[Problem]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Task rewards [B], final-answer correctness [B] (they differ when the task's
-        reward also checks the worked steps) and group advantages [B]."""
+        """Task rewards [b], final-answer correctness [b] (they differ when the task's
+        reward also checks the worked steps) and group advantages [b] of this
+        rank's rows (whole groups: no communication)."""
         G = self.cfg.rollout.group_size
         targets = [p for p in problems for _ in range(G)]
         texts = [self.tokenizer.decode(ids) for ids in out.completion_ids]
@@ -365,100 +423,134 @@ class Trainer:
 
     def _score(self, out: Rollout) -> Scored:
         """The training forward's log-probs of the sampled tokens, on the weights
-        that sampled: the behaviour log-probs. The first micro-batch's rows are
-        scored with a graph, which its optimizer step reuses (no second forward
-        of the same rows on the same weights); the other rows without one. The
-        backends are batch-invariant, so scoring rows apart or together gives
-        the same bits."""
+        that sampled: the behaviour log-probs. Each prompt group of the first
+        micro-batch is scored with a graph, which its backward reuses (no second
+        forward of the same rows on the same weights); the other rows without
+        one. The backends are batch-invariant, so scoring rows apart or together
+        gives the same bits."""
         temp = self.sampling.logprob_temperature
         with torch.no_grad():
             ref_logp = score(self.ref_model, out, temp)[0] if self.ref_model is not None else None
-        mb = out.tokens.shape[0] // self.cfg.train.micro_batches
-        first = out if mb == out.tokens.shape[0] else out.select(range(mb))
-        logp, entropy = score(self.model, first, temp, with_entropy=True)
-        old_logp = logp.detach()
-        if mb < out.tokens.shape[0]:
+        logps, entropies = [], []
+        for unit in self._units(0):
+            logp, entropy = score(self.model, out.select(unit), temp, with_entropy=True)
+            logps.append(logp)
+            entropies.append(entropy)
+        old_logp = torch.cat([lp.detach() for lp in logps])
+        b, first = out.tokens.shape[0], old_logp.shape[0]
+        if first < b:
             with torch.no_grad():
-                rest, _ = score(self.model, out.select(range(mb, out.tokens.shape[0])), temp)
+                rest, _ = score(self.model, out.select(range(first, b)), temp)
             old_logp = torch.cat([old_logp, rest])
-        return Scored(old_logp, logp, entropy, ref_logp)
+        return Scored(old_logp, logps, entropies, ref_logp)
 
     def _correct(self, scored: Scored, out: Rollout) -> tuple[torch.Tensor, dict[str, float], dict[str, float]]:
-        """Mismatch metrics and importance weights [B, S] of the behaviour vs the rollout log-probs."""
+        """Mismatch metrics and importance weights of the behaviour vs the rollout
+        log-probs, computed on the global batch; the weights [b, S] of this rank's rows."""
         t = self.cfg.train
-        mismatch = mismatch_metrics(scored.old_logp, out.logprobs, out.completion_mask)
-        weights, is_stats = importance_weights(
-            scored.old_logp, out.logprobs, out.completion_mask, t.correction, cap=t.is_cap, lo=t.is_lo, hi=t.is_hi
-        )
-        return weights, mismatch, is_stats
+        old, rollout, mask = (self._global(x) for x in (scored.old_logp, out.logprobs, out.completion_mask))
+        mismatch = mismatch_metrics(old, rollout, mask)
+        weights, is_stats = importance_weights(old, rollout, mask, t.correction, cap=t.is_cap, lo=t.is_lo, hi=t.is_hi)
+        return weights[self._my_rows()], mismatch, is_stats
 
     def _optimize(self, out: Rollout, adv: torch.Tensor, scored: Scored, weights: torch.Tensor) -> Optimized:
-        """`micro_batches` optimizer steps over consecutive row blocks of the batch,
-        the weights requantized after each."""
+        """`micro_batches` optimizer steps over consecutive blocks of prompt
+        groups, the weights requantized after each. A micro-batch's gradient is
+        the float64 sum of its groups' gradients over all ranks, rounded once
+        (`GradientSum`), so it does not depend on how the groups are split."""
         t = self.cfg.train
         lr = lr_at(self.cfg, self.step)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
-        mb = out.tokens.shape[0] // t.micro_batches
+        mask_global = self._global(out.completion_mask)
+        G, P, M = self.cfg.rollout.group_size, self.cfg.rollout.prompts_per_step, t.micro_batches
+        rows_per_mb = P // M * G
         res = Optimized(lr, [], [], [], [])
-        for i in range(t.micro_batches):
-            rows = torch.arange(i * mb, (i + 1) * mb)
-            sub = out.select(rows)
-            if i == 0:
-                logp, ent = scored.logp, scored.entropy
-            else:
-                logp, ent = score(self.model, sub, self.sampling.logprob_temperature, with_entropy=True)
-            loss, stats = policy_loss(
-                logp, scored.old_logp[rows], adv[rows], sub.completion_mask,
-                eps_low=t.eps_low, eps_high=t.eps_high, is_weights=weights[rows],
-                ref_logp=scored.ref_logp[rows] if scored.ref_logp is not None else None, kl_coef=t.kl_coef,
-            )
-            grad_norm = self._backward_and_step(loss)
+        grads = GradientSum(self.params, self.world)
+        for i in range(M):
+            n_tokens = int(mask_global[i * rows_per_mb:(i + 1) * rows_per_mb].sum())
+            units = []  # per group: (loss, clipped tokens, entropy sum), in local order
+            finite = True
+            for j, unit in enumerate(self._units(i)):
+                sub = out.select(unit)
+                if i == 0:
+                    logp, ent = scored.logp[j], scored.entropy[j]
+                else:
+                    logp, ent = score(self.model, sub, self.sampling.logprob_temperature, with_entropy=True)
+                rows = torch.as_tensor(unit)
+                loss, stats = policy_loss(
+                    logp, scored.old_logp[rows], adv[rows], sub.completion_mask,
+                    eps_low=t.eps_low, eps_high=t.eps_high, is_weights=weights[rows],
+                    ref_logp=scored.ref_logp[rows] if scored.ref_logp is not None else None, kl_coef=t.kl_coef,
+                    n_normalize=n_tokens,
+                )
+                finite = finite and self._backward(loss)
+                grads.add()
+                ent_sum = float(torch.where(sub.completion_mask, ent.detach(), 0).double().sum())
+                units.append((float(loss.detach()), stats["n_clipped"], ent_sum))
+            grads.reduce()
+            grad_norm = self._clip_and_step(finite and not self.world.any(not finite))
             refresh_weights(self.model)  # quantize once per optimizer step
-            res.losses.append(loss.item())
+            every = [u for rank_units in self.world.gather_objects(units) for u in rank_units]
+            res.losses.append(math.fsum(u[0] for u in every))
             res.grad_norms.append(float(grad_norm))
-            res.clip_fracs.append(stats["ppo_clip_frac"])
-            res.entropies.append(float(masked_mean(ent.detach(), sub.completion_mask)))
+            res.clip_fracs.append(math.fsum(u[1] for u in every) / max(n_tokens, 1))
+            res.entropies.append(math.fsum(u[2] for u in every) / max(n_tokens, 1))
         return res
 
-    def _backward_and_step(self, loss: torch.Tensor) -> torch.Tensor:
-        """Backward, clip, AdamW step; a non-finite loss or gradient skips the step
-        (and `max_bad_steps` of them in a row stop the run). Returns the grad norm."""
-        self.optimizer.zero_grad(set_to_none=True)
+    def _backward(self, loss: torch.Tensor) -> bool:
+        """One prompt group's backward; False when its loss or an FP8 backward GEMM
+        met a NaN/Inf (the micro-batch's optimizer step is then skipped)."""
+        if not torch.isfinite(loss):
+            return False
         try:
             loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.grad_clip)
         except NonFiniteError:  # an FP8 backward GEMM met a NaN/Inf gradient
-            grad_norm = torch.tensor(float("nan"))
-        if torch.isfinite(loss) and torch.isfinite(grad_norm):
+            return False
+        return True
+
+    def _clip_and_step(self, finite: bool) -> torch.Tensor:
+        """Clip the reduced gradient and step AdamW; a non-finite loss or gradient
+        on any rank skips the step (and `max_bad_steps` of them in a row stop the
+        run). Returns the grad norm (every rank holds the whole gradient, so
+        every rank computes the one-process norm)."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.grad_clip)
+        if finite and torch.isfinite(grad_norm):
             self.bad_steps = 0
-            self.optimizer.step()
+            (self.master or self.optimizer).step()
+            for p in self.params:
+                p.grad = None
             return grad_norm
+        for p in self.params:
+            p.grad = None
         self.bad_steps += 1
         self.skipped_steps += 1
-        self.optimizer.zero_grad(set_to_none=True)
         self.log(f"step {self.step}: non-finite loss or gradient, optimizer step skipped")
         if self.bad_steps >= self.cfg.train.max_bad_steps:
             raise TrainingError(f"{self.bad_steps} non-finite optimizer steps in a row; stopping")
-        return grad_norm
+        return grad_norm if finite else torch.tensor(float("nan"))
 
     def _calibrate(self, out: Rollout) -> None:
-        """Recalibrate the FP8 Q/K/V scales on this step's sequences (FP8 KV / attention flows)."""
+        """Recalibrate the FP8 Q/K/V scales on this step's sequences of all ranks
+        (FP8 KV / attention flows)."""
         if self.flow.needs_calibration:
-            calibrate(self.model, out.tokens, out.pad_left, out.cache_len, self.cfg.calibration)
+            gather = self.world.gather_varying if self.world.size > 1 else None
+            calibrate(self.model, out.tokens, out.pad_left, out.cache_len, self.cfg.calibration, gather=gather)
 
     def _metrics(
         self, out: Rollout, rewards: torch.Tensor, correct: torch.Tensor, mismatch: dict[str, float],
         is_stats: dict[str, float], opt: Optimized, times: dict[str, float],
     ) -> dict[str, float]:
-        """One metrics.jsonl line: every name of METRIC_NAMES."""
-        n_tok = out.n_tokens
+        """One metrics.jsonl line: every name of METRIC_NAMES, over the global batch
+        (times and memory are this rank's)."""
+        rewards, correct = self._global(rewards), self._global(correct)
+        n_tok = int(mismatch["n_tokens"])
         metrics: dict[str, float] = {
             **{k: mismatch[k] for k in ("token_mult_prob_error", "max_abs_logprob_diff", "mean_abs_logprob_diff", "gen_kl")},
             **is_stats,
             "reward_mean": float(rewards.mean()),
             "accuracy": float(correct.mean()),
-            "response_len_mean": n_tok / out.tokens.shape[0],
+            "response_len_mean": n_tok / rewards.shape[0],
             "entropy": sum(opt.entropies) / len(opt.entropies),
             "loss": sum(opt.losses) / len(opt.losses),
             "grad_norm": sum(opt.grad_norms) / len(opt.grad_norms),
@@ -488,38 +580,53 @@ class Trainer:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         cfg = self.cfg
+        main = self.world.is_main
         t_run = time.perf_counter()
-        logger = RunLogger(self.run_dir)
+        logger = RunLogger(self.run_dir) if main else None
         evals = {int(r["step"]): r for r in read_metrics(self.run_dir / "eval.jsonl")} if (self.run_dir / "eval.jsonl").exists() else {}
         self.log(f"flow {self.flow.name} on backend {self.backend}"
-                 + (" (auto: this CPU's fastest batch-invariant backend)" if cfg.backend == "auto" else ""))
+                 + (" (auto: this CPU's fastest batch-invariant backend)" if cfg.backend == "auto" else "")
+                 + (f", {self.world.size} data-parallel ranks" if self.world.size > 1 else ""))
         try:
             if self.step == 0 and self.test_problems and 0 not in evals:
-                ev = self.evaluate()
-                logger.log_eval(0, {"accuracy": ev["accuracy"], "reward_mean": ev["reward_mean"], "n": ev["n"]})
-                evals[0] = {"accuracy": ev["accuracy"]}
-                self.log(f"held-out accuracy before training: {ev['accuracy']:.3f} (n={ev['n']})")
+                ev = self._evaluate_on_main(0, logger, evals)
+                if ev:
+                    self.log(f"held-out accuracy before training: {ev['accuracy']:.3f} (n={ev['n']})")
             columns = [TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                        TextColumn("{task.fields[info]}")]
-            with Progress(*columns, disable=not progress, transient=False) as bar:
+            with Progress(*columns, disable=not (progress and main), transient=False) as bar:
                 task_id = bar.add_task("train", total=cfg.train.steps, completed=self.step, info="")
                 while self.step < cfg.train.steps:
                     result = self.train_step()
                     m = result.metrics
-                    logger.log_step(self.step, m)
+                    if logger:
+                        logger.log_step(self.step, m)
                     bar.update(task_id, completed=self.step, info=(
                         f"reward {m['reward_mean']:.3f}  mismatch {m['token_mult_prob_error']:.5f}  "
                         f"len {m['response_len_mean']:.1f}  {m['time_step_s']:.1f}s/step"))
                     at_end = self.step == cfg.train.steps
                     if self.test_problems and ((cfg.eval.every and self.step % cfg.eval.every == 0) or at_end):
-                        ev = self.evaluate()
-                        logger.log_eval(self.step, {"accuracy": ev["accuracy"], "reward_mean": ev["reward_mean"], "n": ev["n"]})
-                        evals[self.step] = {"accuracy": ev["accuracy"]}
+                        self._evaluate_on_main(self.step, logger, evals)
                     if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or at_end:
                         self.save()
         finally:
-            logger.close()
+            if logger:
+                logger.close()
+        if not main:
+            return {}
         return self.finish(evals, time.perf_counter() - t_run)
+
+    def _evaluate_on_main(self, step: int, logger: RunLogger | None, evals: dict[int, dict[str, Any]]) -> dict[str, Any] | None:
+        """Held-out evaluation by rank 0 (every rank holds the same weights); the
+        others wait for it."""
+        ev = None
+        if self.world.is_main:
+            ev = self.evaluate()
+            assert logger is not None
+            logger.log_eval(step, {"accuracy": ev["accuracy"], "reward_mean": ev["reward_mean"], "n": ev["n"]})
+            evals[step] = {"accuracy": ev["accuracy"]}
+        self.world.barrier()
+        return ev
 
     def finish(self, evals: dict[int, dict[str, Any]], wall_s: float) -> dict[str, Any]:
         from fp8rl.plots import plot_run

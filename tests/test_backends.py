@@ -254,13 +254,21 @@ def test_choose_backend_policy(monkeypatch: pytest.MonkeyPatch):
     unless the measured batch-invariance check fails on the model's shapes."""
     small = nn.Linear(64, 64)
     big = nn.Linear(4096, 2048)
+    # The probe itself is tested below; here it only records what it was asked
+    # (run for real, amx's probe on a 4096-wide model takes ~110 s on a CPU
+    # without native BF16, where torch.mm emulates BF16).
+    probed: list[tuple[str, nn.Module]] = []
+    monkeypatch.setattr(fb, "batch_invariance_failures", lambda backend, model: probed.append((backend.name, model)) or [])
     assert choose_backend(torch.device("meta"), big) is BACKENDS["reference"]
+    assert probed == []
     monkeypatch.setattr(fb, "amx_available", lambda: True)
     assert choose_backend(torch.device("cpu"), big) is BACKENDS["amx"]
     assert fb.resolve_backend("auto", small) is BACKENDS["amx"]
+    assert probed == [("amx", big), ("amx", small)]
     monkeypatch.setattr(fb, "amx_available", lambda: False)
     assert choose_backend(torch.device("cpu"), small) is BACKENDS["cpu"]
-    assert fb.resolve_backend("amx", small) is BACKENDS["amx"]  # a name is taken as given
+    assert fb.resolve_backend("amx", small) is BACKENDS["amx"]  # a name is taken as given, unprobed
+    assert probed[2:] == [("cpu", small)]
     monkeypatch.setattr(fb, "batch_invariance_failures", lambda backend, model: ["fp8 GEMM 64x64: rows 0..0 differ"])
     with pytest.warns(UserWarning, match="not batch-invariant on this CPU .*fp8 GEMM 64x64.*reference"):
         assert choose_backend(torch.device("cpu"), small) is BACKENDS["reference"]

@@ -39,7 +39,7 @@ def test_toml_and_overrides(tmp_path: Path):
         ("[train]\nsteps = 'ten'", "train.steps must be an integer"),
         ("[train]\ncorrection = 'magic'", "train.correction = 'magic' is not one of"),
         ("[rollout]\ngroup_size = 0", "rollout.group_size must be >= 1"),
-        ("[train]\nmicro_batches = 3", "must divide the rollout batch"),
+        ("[train]\nmicro_batches = 3", "must divide the rollout batch's prompt groups"),
         ("seed = ", "invalid TOML"),
         # old flat sft/export keys: the error says which section they live in now
         ("steps = 300",

@@ -77,6 +77,7 @@ def policy_loss(
     is_weights: Tensor | None = None,
     ref_logp: Tensor | None = None,
     kl_coef: float = 0.0,
+    n_normalize: int | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Token-level PPO clipped surrogate (GRPO / DAPO style).
 
@@ -89,15 +90,19 @@ def policy_loss(
         pg *= is_weights                                   (after clipping)
         tok = pg + kl_coef * (exp(ref - logp) - (ref - logp) - 1)
     loss = sum(tok over unmasked) / N, N the unmasked count of this call (at
-    least 1): each micro-batch is its own optimizer step (PPO epochs over
-    minibatches), normalised by its own tokens. The KL term is not IS-weighted.
+    least 1), or `n_normalize` when given: each micro-batch is its own
+    optimizer step (PPO epochs over minibatches), normalised by its own tokens;
+    the trainer calls this once per prompt group of a micro-batch with N the
+    micro-batch's count, so the groups' losses sum to the micro-batch's. The
+    KL term is not IS-weighted.
     Defaults eps_low=0.2, eps_high=0.28: DAPO's clip-higher, which keeps
     low-probability tokens able to grow; pass eps_high=0.2 for classic PPO.
 
     Stats (floats over this call's unmasked tokens, 0.0 if there are none):
     `ppo_clip_frac` fraction where the clipped term was taken (its gradient is
     0), `kl` mean k3 to the reference (0.0 without ref_logp), `ratio_mean`,
-    `n_tokens` the unmasked count of this call. Computed in float32.
+    `n_tokens` the unmasked count of this call, `n_clipped` the count where the
+    clipped term was taken. Computed in float32.
     """
     if logp.shape != old_logp.shape or logp.shape != mask.shape:
         raise ValueError(
@@ -126,7 +131,7 @@ def policy_loss(
     # where(), not multiply: masked positions may hold inf/NaN (padding).
     per_token = torch.where(m, per_token, torch.zeros((), device=per_token.device))
     count = int(m.sum())
-    loss = per_token.sum() / float(max(count, 1))
+    loss = per_token.sum() / float(max(count if n_normalize is None else n_normalize, 1))
 
     with torch.no_grad():
         stats = {
@@ -134,6 +139,7 @@ def policy_loss(
             "kl": float(masked_mean(kl, m)) if kl is not None else 0.0,
             "ratio_mean": float(masked_mean(ratio, m)),
             "n_tokens": float(count),
+            "n_clipped": float(((pg_clipped > pg_unclipped) & m).sum()),
         }
     return loss, stats
 

@@ -8,6 +8,8 @@ rare values beyond them saturate at +-448 in E4M3.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from fp8rl.config import CalibrationConfig
@@ -30,9 +32,14 @@ def calibrate(
     pad_left: torch.Tensor,
     cache_len: int | None = None,
     cfg: CalibrationConfig = CalibrationConfig(),
+    gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, float]:
     """Set every attention layer's q/k/v scales from a training-phase forward over
-    `tokens` [B, T] (left-padded, pad slots excluded). Returns summary stats."""
+    `tokens` [B, T] (left-padded, pad slots excluded). Returns summary stats.
+    `gather` ([n, H] -> [n_all, H]) pools the per-token amax of every
+    data-parallel rank before the percentile, so all ranks set the scales one
+    process would set from the whole batch (a percentile is not a max: the
+    ranks' own scales could not be combined)."""
     B, T = tokens.shape
     amax: dict[int, dict[str, list[torch.Tensor]]] = {}
     ctx = make_context(pad_left, 0, T, cache_len or T, amax=amax)
@@ -45,6 +52,8 @@ def calibrate(
         rec = amax[attn.layer_idx]
         for name in ("q", "k", "v"):
             per_token = torch.cat(rec[name])[valid]  # [n_valid, H]
+            if gather is not None:
+                per_token = gather(per_token)
             scale = scales_from_amax(per_token, cfg)
             getattr(attn, f"{name}_scale").copy_(scale)
         kmax = max(kmax, float(attn.k_scale.max()) * E4M3_MAX)

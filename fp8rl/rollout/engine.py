@@ -76,6 +76,25 @@ class Rollout:
     def n_tokens(self) -> int:
         return int(self.completion_mask.sum())
 
+    def padded_to(self, width: int, pad_id: int) -> "Rollout":
+        """The grid right-padded to `width` columns as a longer rollout leaves a
+        row that finished early: pad tokens, no mask, log-prob 0 (data-parallel
+        ranks share the step's widest grid)."""
+        B, S = self.tokens.shape
+        if width < S:
+            raise ValueError(f"cannot pad a rollout of {S} columns to {width}")
+        extra = width - S
+        return Rollout(
+            tokens=torch.cat([self.tokens, self.tokens.new_full((B, extra), pad_id)], 1),
+            pad_left=self.pad_left,
+            prompt_len=self.prompt_len,
+            cache_len=self.cache_len,
+            completion_mask=torch.cat([self.completion_mask, self.completion_mask.new_zeros((B, extra))], 1),
+            logprobs=torch.cat([self.logprobs, self.logprobs.new_zeros((B, extra))], 1),
+            finish_reasons=self.finish_reasons,
+            completion_ids=self.completion_ids,
+        )
+
     def select(self, rows: torch.Tensor | Sequence[int]) -> "Rollout":
         """A sub-batch (for optimizer micro-batches); rows keep their grid layout."""
         idx = torch.as_tensor(rows, dtype=torch.long)
@@ -170,11 +189,14 @@ def generate(
     seeds: Sequence[int] | None = None,
     decode: Callable[[list[int]], str] | None = None,
     cache_len: int | None = None,
+    prompt_len: int | None = None,
 ) -> Rollout:
     """Sample a completion for every prompt (token id lists) with the rollout flow.
 
     Give either per-sample `generators` or `seeds`; `decode` (ids -> text) is
-    needed for stop strings. Raises if a prompt does not fit the context."""
+    needed for stop strings; `prompt_len` widens the prompt columns beyond the
+    longest prompt (a data-parallel rank uses the whole step's longest). Raises
+    if a prompt does not fit the context."""
     B = len(prompts)
     if generators is None:
         if seeds is None:
@@ -185,6 +207,10 @@ def generate(
     if params.stop_strings and decode is None:
         raise ValueError("stop strings need a decode function (a tokenizer)")
     P = max(len(p) for p in prompts)
+    if prompt_len is not None:
+        if prompt_len < P:
+            raise ValueError(f"prompt_len {prompt_len} < the longest prompt's {P} tokens")
+        P = prompt_len
     max_ctx = model.config.max_position_embeddings
     if P + params.max_new_tokens > max_ctx:
         longest = max(range(B), key=lambda b: len(prompts[b]))
@@ -196,7 +222,7 @@ def generate(
     if L < P + params.max_new_tokens:
         raise ValueError(f"cache_len {L} < prompt_len {P} + max_new_tokens {params.max_new_tokens}")
     device = model.device
-    prompt_tokens, pad_left = left_pad(prompts, pad_id)
+    prompt_tokens, pad_left = left_pad(prompts, pad_id, P)
     tokens = torch.full((B, P + params.max_new_tokens), pad_id, dtype=torch.long)
     tokens[:, :P] = prompt_tokens
     tokens, pad_left = tokens.to(device), pad_left.to(device)

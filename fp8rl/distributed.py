@@ -1,0 +1,287 @@
+"""Data parallelism under torchrun: which rows a rank owns, the few collectives
+the trainer needs, and the FSDP2-sharded master weights and AdamW state.
+
+One run, any number of processes (docs/design.md section 11). The run is a
+function of the global configuration, not of the world size N:
+
+- a step's prompt groups are dealt out per optimizer micro-batch: micro-batch
+  i holds groups [i*g, (i+1)*g) (g = prompts_per_step / micro_batches, as in
+  one process) and rank r rolls out and trains the contiguous g/N of them
+  (`rank_groups`). A group never spans ranks, so advantages need no
+  communication;
+- every rank pads its rollout to the step's global grid (the longest prompt
+  of the whole step, the longest sequence of any rank), so a row's tokens,
+  log-probs and gradient are those of the one-process run (the backends are
+  batch-invariant);
+- a micro-batch's gradient is the sum over its prompt groups of each group's
+  own gradient (one backward per group), accumulated in float64 and reduced
+  across ranks in float64, then rounded once to FP32. Float64 holds the sum of
+  FP32 terms exactly unless one weight's terms span more than 2**29 in
+  magnitude, so the order of the sum (which group on which rank, gloo's
+  reduction order) does not reach the FP32 gradient: 1 and N ranks give the
+  same bits (tests/test_distributed.py);
+- the master weights and AdamW state are sharded with FSDP2 (`fully_shard`,
+  Shard(0) DTensors): each rank steps its shard; the updated shards are
+  all-gathered into the rank's compute model, whose weights every rank's
+  rollout needs whole anyway, and quantized there once per optimizer step.
+
+`World()` is one process: every collective is the identity, so the trainer
+has one code path.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class DistributedError(ValueError):
+    """A run that cannot be split across the ranks as asked (batch split,
+    configs that differ between ranks): a user error, one line."""
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place in the run: `rank` of `size` processes."""
+
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @staticmethod
+    def from_env(timeout_s: float = 600.0) -> "World":
+        """The world torchrun describes in the environment (WORLD_SIZE, RANK,
+        MASTER_ADDR, ...); one process when it describes none. Joins the gloo
+        process group (CPU) on first use; a rendezvous or collective that does
+        not complete within `timeout_s` raises instead of hanging."""
+        size = int(os.environ.get("WORLD_SIZE", "1"))
+        if size == 1:
+            return World()
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        return World(dist.get_rank(), dist.get_world_size())
+
+    # -- collectives (identity in one process) -------------------------------------------
+
+    def gather_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's `t` [n, ...] (equal shapes) concatenated in rank order [N*n, ...]."""
+        if self.size == 1:
+            return t
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(parts, t.contiguous())
+        return torch.cat(parts)
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's picklable `obj`, in rank order."""
+        if self.size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def max_int(self, x: int) -> int:
+        if self.size == 1:
+            return x
+        t = torch.tensor([x], dtype=torch.long)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t)
+
+    def any(self, flag: bool) -> bool:
+        return self.max_int(int(flag)) == 1
+
+    def sum_(self, t: torch.Tensor) -> torch.Tensor:
+        """In-place sum over ranks."""
+        if self.size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+    def gather_varying(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's `t` [n_r, ...] (n_r may differ) concatenated in rank order."""
+        if self.size == 1:
+            return t
+        n = self.max_int(t.shape[0])
+        padded = torch.zeros((n, *t.shape[1:]), dtype=t.dtype)
+        padded[: t.shape[0]] = t
+        counts = self.gather_rows(torch.tensor([t.shape[0]]))
+        parts = self.gather_rows(padded).split(n)
+        return torch.cat([part[: int(c)] for part, c in zip(parts, counts)])
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier()
+
+    def check_same(self, text: str, what: str) -> None:
+        """Raise on every rank if `text` differs between ranks (e.g. the resolved config)."""
+        texts = self.gather_objects(text)
+        odd = [r for r, t in enumerate(texts) if t != texts[0]]
+        if odd:
+            raise DistributedError(f"{what} differs between ranks (rank 0 vs rank(s) {odd}); "
+                                   "every rank must be started with the same command and files")
+
+
+def rank_groups(n_groups: int, micro_batches: int, world: World) -> list[int]:
+    """The prompt groups rank `world.rank` owns, in its local order: of every
+    micro-batch's g = n_groups / micro_batches groups, the rank's contiguous
+    g / N. Raises when the split is not whole."""
+    if n_groups % micro_batches:
+        raise DistributedError(f"prompts_per_step {n_groups} is not divisible by micro_batches {micro_batches}")
+    g = n_groups // micro_batches
+    if g % world.size:
+        raise DistributedError(
+            f"the global batch does not split across {world.size} ranks: each of the {micro_batches} micro-batches "
+            f"holds {g} prompt groups (rollout.prompts_per_step / train.micro_batches), not a multiple of "
+            f"{world.size}; choose a prompts_per_step that is a multiple of {micro_batches * world.size}"
+        )
+    share = g // world.size
+    return [i * g + world.rank * share + j for i in range(micro_batches) for j in range(share)]
+
+
+def global_row_order(n_groups: int, group_size: int, micro_batches: int, world: World) -> torch.Tensor:
+    """`perm` [B] with `perm[k]` = the global row of the k-th row of `world.gather_rows(local)`."""
+    rows = []
+    for r in range(world.size):
+        for grp in rank_groups(n_groups, micro_batches, World(r, world.size)):
+            rows.extend(range(grp * group_size, (grp + 1) * group_size))
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def gather_global(t: torch.Tensor, perm: torch.Tensor, world: World) -> torch.Tensor:
+    """Local rows [b, ...] of every rank -> the global batch [B, ...] in one-process order."""
+    if world.size == 1:
+        return t
+    gathered = world.gather_rows(t)
+    out = torch.empty_like(gathered)
+    out[perm] = gathered
+    return out
+
+
+class GradientSum:
+    """A micro-batch's gradient, summed over prompt groups and ranks in float64.
+
+    `add()` after each group's backward moves the FP32 `.grad` of every
+    parameter into a float64 accumulator; `reduce()` sums the accumulators over
+    ranks and writes the FP32 rounding back to `.grad`. Returns the number of
+    elements whose float64 sum was not exact (then 1 and N ranks may differ in
+    the last bit; 0 in every run measured)."""
+
+    def __init__(self, params: list[nn.Parameter], world: World) -> None:
+        self.params = params
+        self.world = world
+        self.acc: list[torch.Tensor | None] = [None] * len(params)
+        self.inexact = 0
+
+    def add(self) -> None:
+        for i, p in enumerate(self.params):
+            if p.grad is None:
+                continue
+            g = p.grad.detach().to(torch.float64)
+            a = self.acc[i]
+            if a is None:
+                self.acc[i] = g
+            else:
+                s = a + g
+                self.inexact += int(_two_sum_error(a, g, s).ne(0).sum())
+                self.acc[i] = s
+            p.grad = None
+
+    def reduce(self) -> int:
+        flat = [a if a is not None else torch.zeros(p.shape, dtype=torch.float64) for a, p in zip(self.acc, self.params)]
+        if self.world.size > 1:
+            buf = torch.cat([f.reshape(-1) for f in flat])
+            self.world.sum_(buf)
+            flat = list(torch.split(buf, [f.numel() for f in flat]))
+        for p, f in zip(self.params, flat):
+            p.grad = f.reshape(p.shape).to(p.dtype)
+        self.acc = [None] * len(self.params)
+        inexact = self.inexact
+        self.inexact = 0
+        return inexact
+
+
+def _two_sum_error(a: torch.Tensor, b: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """The rounding error of `s = a + b` (Knuth's TwoSum): 0 where the sum is exact."""
+    bb = s - a
+    return (a - (s - bb)) + (b - bb)
+
+
+class ShardedMaster:
+    """FSDP2-sharded master weights and AdamW state of a replicated compute model.
+
+    `fully_shard` is applied to a copy of the model (each decoder layer, then
+    the root): its parameters become Shard(0) DTensors and AdamW's state is
+    created on those shards. `step()` takes the compute model's full, already
+    reduced and clipped `.grad`s, steps each rank's shard, and all-gathers the
+    updated weights back into the compute model. AdamW is elementwise, so the
+    sharded step gives the bits of the unsharded one."""
+
+    def __init__(self, model: nn.Module, optimizer_kwargs: dict[str, Any]) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        self.model = model
+        self.master = copy.deepcopy(model)
+        for layer in self.master.model.layers:
+            fully_shard(layer)
+        fully_shard(self.master)
+        self.compute = [p for p in model.parameters() if p.requires_grad]
+        self.shards = [p for p in self.master.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.shards, **optimizer_kwargs)
+
+    def step(self) -> None:
+        for c, s in zip(self.compute, self.shards):
+            s.grad = _shard_of(c.grad, s)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.pull()
+
+    def pull(self) -> None:
+        """The compute model's weights := the full master weights (all-gather)."""
+        with torch.no_grad():
+            for c, s in zip(self.compute, self.shards):
+                c.copy_(s.full_tensor())
+
+    def push(self) -> None:
+        """The master shards := the compute model's weights (after a checkpoint load)."""
+        with torch.no_grad():
+            for c, s in zip(self.compute, self.shards):
+                s.to_local().copy_(_shard_of(c.detach(), s).to_local())
+
+    def full_optimizer(self) -> torch.optim.AdamW:
+        """A one-process AdamW over the compute parameters holding the full
+        (all-gathered) state: what a checkpoint stores, whatever the world size."""
+        kept = ("lr", "betas", "eps", "weight_decay")
+        full = torch.optim.AdamW(self.compute, **{k: self.optimizer.defaults[k] for k in kept})
+        sd = self.optimizer.state_dict()
+        state = {}
+        for i, st in sd["state"].items():
+            state[i] = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v.clone()) for k, v in st.items()}
+        full.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
+        return full
+
+    def load_full_optimizer(self, full: torch.optim.Optimizer) -> None:
+        """This rank's shard of a one-process optimizer state (a resumed checkpoint)."""
+        sd = full.state_dict()
+        state = {}
+        for i, st in sd["state"].items():
+            shard = self.shards[i]
+            state[i] = {
+                k: (_shard_of(v, shard) if torch.is_tensor(v) and v.shape == shard.shape else v) for k, v in st.items()
+            }
+        self.optimizer.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
+
+
+def _shard_of(full: torch.Tensor, like: Any) -> Any:
+    """`full` (identical on every rank) as a DTensor placed like `like`; each
+    rank keeps its own slice, nothing is sent (src_data_rank=None)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)

@@ -1,0 +1,201 @@
+"""Data parallelism (fp8rl/distributed.py, docs/design.md section 11): the
+row split, the exact gradient sum, and torchrun runs on gloo whose metrics,
+weights and optimizer state equal a one-process run's bit for bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fp8rl.checkpoint import checkpoint_path
+from fp8rl.distributed import DistributedError, GradientSum, World, gather_global, global_row_order, rank_groups
+from fp8rl.rollout.engine import Rollout
+
+# Metrics that are measurements of the machine, not of the run.
+TIMING = {"time_rollout_s", "time_train_s", "time_sync_s", "time_step_s", "rollout_tokens_per_s", "peak_mem_bytes"}
+
+SMALL_RUN = """\
+model = "tiny-arith"
+task = "arith"
+flow = "{flow}"
+backend = "{backend}"
+[rollout]
+prompts_per_step = 4
+group_size = 4
+max_new_tokens = 16
+[train]
+steps = {steps}
+micro_batches = 2
+[eval]
+every = 0
+n = 0
+[checkpoint]
+every = 1
+keep_last = 3
+"""
+
+
+def test_rank_groups_deal_each_micro_batch_out_in_contiguous_shares():
+    # 8 groups, 2 micro-batches of 4: rank r of 2 gets 2 of each micro-batch.
+    assert rank_groups(8, 2, World(0, 2)) == [0, 1, 4, 5]
+    assert rank_groups(8, 2, World(1, 2)) == [2, 3, 6, 7]
+    assert rank_groups(8, 2, World(0, 1)) == list(range(8))
+    assert sorted(g for r in range(4) for g in rank_groups(8, 2, World(r, 4))) == list(range(8))
+    with pytest.raises(DistributedError, match=r"4 prompt groups .* not a multiple of 3.*multiple of 6"):
+        rank_groups(8, 2, World(0, 3))
+
+
+def test_global_row_order_puts_gathered_rows_back_in_one_process_order():
+    world = World(0, 2)
+    perm = global_row_order(4, 2, 2, world)  # groups: rank 0 -> 0, 2; rank 1 -> 1, 3
+    assert perm.tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
+    gathered = torch.tensor([0, 1, 4, 5, 2, 3, 6, 7]) * 10  # what all_gather would return
+    out = torch.empty_like(gathered)
+    out[perm] = gathered
+    assert out.tolist() == [0, 10, 20, 30, 40, 50, 60, 70]
+    assert gather_global(torch.arange(3), perm, World()).tolist() == [0, 1, 2]  # one process: as is
+
+
+def test_gradient_sum_is_exact_and_independent_of_the_order():
+    """The float64 sum of FP32 group gradients, rounded once, is the same for any
+    order of the groups; a plain FP32 running sum is not (the check can fail)."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.zeros(4096))
+    parts = [torch.randn(4096) * 10.0 ** torch.randint(-3, 3, (1,)).item() for _ in range(8)]
+
+    def summed(order: list[int]) -> tuple[torch.Tensor, int]:
+        acc = GradientSum([p], World())
+        for i in order:
+            p.grad = parts[i].clone()
+            acc.add()
+            assert p.grad is None
+        inexact = acc.reduce()
+        return p.grad.clone(), inexact
+
+    forward, inexact = summed(list(range(8)))
+    backward, _ = summed(list(reversed(range(8))))
+    assert inexact == 0
+    assert torch.equal(forward, backward)
+    fp32_forward = sum(parts[1:], parts[0].clone())
+    fp32_backward = sum(reversed(parts[:-1]), parts[-1].clone())
+    assert not torch.equal(fp32_forward, fp32_backward)  # why the float64 sum is needed
+
+
+def test_gradient_sum_counts_an_inexact_float64_sum():
+    """Terms 2**60 apart do not fit one float64 (53 bits): counted, not hidden;
+    terms 2**40 apart do."""
+    p = torch.nn.Parameter(torch.zeros(2))
+    acc = GradientSum([p], World())
+    for g in ((2.0**30, 1.0), (2.0**-30, 2.0**-40)):
+        p.grad = torch.tensor(g)
+        acc.add()
+    assert acc.reduce() == 1
+    assert p.grad.tolist() == [2.0**30, 1.0]  # rounded once to FP32
+
+
+def test_padded_rollout_keeps_its_rows():
+    r = Rollout(
+        tokens=torch.tensor([[5, 6, 7]]), pad_left=torch.tensor([0]), prompt_len=1, cache_len=16,
+        completion_mask=torch.tensor([[False, True, True]]), logprobs=torch.tensor([[0.0, -1.0, -2.0]]),
+        finish_reasons=["stop"], completion_ids=[[6, 7]],
+    )
+    w = r.padded_to(5, pad_id=0)
+    assert w.tokens.tolist() == [[5, 6, 7, 0, 0]]
+    assert w.completion_mask.tolist() == [[False, True, True, False, False]]
+    assert w.logprobs.tolist() == [[0.0, -1.0, -2.0, 0.0, 0.0]]
+    assert w.completion_ids == [[6, 7]] and w.n_tokens == 2
+    with pytest.raises(ValueError, match="cannot pad"):
+        r.padded_to(2, pad_id=0)
+
+
+# -- torchrun runs ---------------------------------------------------------------------------
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+def train(tmp: Path, name: str, nproc: int, *, flow: str = "jet-kv", backend: str = "cpu", steps: int = 2,
+          extra: tuple[str, ...] = (), check: bool = True) -> subprocess.CompletedProcess:
+    """`fp8rl train` on `nproc` processes (torchrun --standalone, gloo) into tmp/name."""
+    cfg = tmp / f"{name}.toml"
+    cfg.write_text(SMALL_RUN.format(flow=flow, backend=backend, steps=steps))
+    args = ["train", "--config", str(cfg), "--out", str(tmp / name), "--no-progress", *extra]
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "fp8rl", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "fp8rl", *args]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
+    if check:
+        assert res.returncode == 0, res.stderr[-3000:]
+    return res
+
+
+def assert_same_run(a: Path, b: Path, step: int) -> None:
+    """Metrics (timings aside), weights, optimizer state and Q/K/V scales equal bit for bit."""
+    rows_a = [json.loads(x) for x in (a / "metrics.jsonl").read_text().splitlines()]
+    rows_b = [json.loads(x) for x in (b / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows_a) == len(rows_b) == step
+    for ra, rb in zip(rows_a, rows_b):
+        diff = {k: (ra[k], rb[k]) for k in ra if k not in TIMING and ra[k] != rb[k]}
+        assert diff == {}, f"step {ra['step']}"
+    ca, cb = (checkpoint_path(run, step) for run in (a, b))
+    for f in ("model.safetensors", "optimizer.safetensors"):
+        ta, tb = load_file(ca / f), load_file(cb / f)
+        assert ta.keys() == tb.keys()
+        assert [k for k in ta if not torch.equal(ta[k], tb[k])] == [], f
+    meta_a, meta_b = (json.loads((c / "meta.json").read_text()) for c in (ca, cb))
+    assert meta_a["attention_scales"] == meta_b["attention_scales"]
+
+
+def test_two_ranks_train_exactly_what_one_process_trains(tmp_path: Path):
+    """The fast 2-rank check of the default suite: jet-kv (FP8 weights, KV cache
+    and attention, so the Q/K/V calibration is pooled across ranks) on the fast
+    `cpu` backend, 2 steps of 2 optimizer steps each."""
+    train(tmp_path, "one", 1)
+    two = train(tmp_path, "two", 2)
+    assert "2 data-parallel ranks" in two.stdout
+    assert_same_run(tmp_path / "one", tmp_path / "two", 2)
+    rows = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["token_mult_prob_error"] == 1.0 for r in rows)
+
+
+def test_a_batch_that_does_not_split_is_refused_in_one_line(tmp_path: Path):
+    """Through `fp8rl train --nproc 3` (which starts torchrun)."""
+    res = train(tmp_path, "three", 1, extra=("--nproc", "3"), check=False)
+    assert res.returncode != 0
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, res.stderr[-2000:]  # rank 0 says it, once
+    assert "does not split across 3 ranks" in errors[0]
+    assert not (tmp_path / "three").exists()  # nothing written
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flow,backend", [("bf16", "cpu"), ("fp8-rollout", "reference"), ("fp8-grads", "reference")])
+def test_two_ranks_equal_one_process_under_other_flows(tmp_path: Path, flow: str, backend: str):
+    train(tmp_path, "one", 1, flow=flow, backend=backend)
+    train(tmp_path, "two", 2, flow=flow, backend=backend)
+    assert_same_run(tmp_path / "one", tmp_path / "two", 2)
+
+
+@pytest.mark.slow
+def test_resume_at_another_world_size_continues_exactly(tmp_path: Path):
+    """1 step on 2 ranks, resumed for the 2nd step on 1 process (and the other
+    way round) == 2 uninterrupted steps."""
+    train(tmp_path, "whole", 1, steps=2)
+    train(tmp_path, "two_then_one", 2, steps=1)
+    train(tmp_path, "two_then_one", 1, steps=2, extra=("--resume",))
+    assert_same_run(tmp_path / "whole", tmp_path / "two_then_one", 2)
+    train(tmp_path, "one_then_two", 1, steps=1)
+    train(tmp_path, "one_then_two", 2, steps=2, extra=("--resume",))
+    assert_same_run(tmp_path / "whole", tmp_path / "one_then_two", 2)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,9 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+from vs_trl import cpu_name  # benchmarks/ is on sys.path when a script here runs
+
+from fp8rl.fp8.backends import amx_available
 
 TIMING = {"time_rollout_s", "time_train_s", "time_sync_s", "time_step_s", "rollout_tokens_per_s", "peak_mem_bytes"}
 
@@ -75,8 +77,8 @@ def main() -> None:
                                                    base["rows"], r["rows"], args.steps)
     for r in results:
         del r["rows"]
-    report = {"date": time.strftime("%Y-%m-%d"), "cpu": platform.processor() or platform.machine(),
-              "cores": os.cpu_count(), "torch": torch.__version__, "flow": args.flow, "backend": args.backend,
+    report = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "amx": amx_available(),
+              "isa": torch.backends.cpu.get_cpu_capability(), "cores": os.cpu_count(), "torch": torch.__version__, "flow": args.flow, "backend": args.backend,
               "steps_timed": args.steps - 1, "results": results}
     print(f"{'ranks':>5} {'s/step':>8} {'rollout':>8} {'train':>8} {'speedup':>8} {'bitwise':>8}", file=sys.stderr)
     for r in results:

@@ -413,6 +413,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
+    from fp8rl.distributed import RankLostError
     from fp8rl.train import TrainingError  # imports torch: only once the arguments parse
 
     try:
@@ -425,6 +426,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank meets the error; one line says it
             print(f"error: {message}", file=sys.stderr)
         return 2
+    except RankLostError as e:  # a peer died: every surviving rank says so, in one line
+        print(f"error: {e}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

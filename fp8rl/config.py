@@ -47,6 +47,9 @@ class TrainConfig:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.99)
     micro_batches: int = 2  # optimizer steps per rollout batch (PPO epochs over minibatches)
+    # backward passes per micro-batch (whole prompt groups each); its gradient is their exact
+    # float64 sum, and data-parallel ranks split them: N ranks need a multiple of N
+    grad_chunks: int = 1
     grad_clip: float = 1.0
     eps_low: float = 0.2
     eps_high: float = 0.28
@@ -246,7 +249,7 @@ def validate(cfg: RunConfig) -> None:
         if value not in allowed:
             raise ValueError(f"config key {key} = {value!r} is not one of {', '.join(allowed)}")
     positive = ("rollout.prompts_per_step", "rollout.group_size", "rollout.max_new_tokens",
-                "train.micro_batches", "eval.batch_size", "eval.max_new_tokens",
+                "train.micro_batches", "train.grad_chunks", "eval.batch_size", "eval.max_new_tokens",
                 "mismatch.prompts", "mismatch.samples", "mismatch.max_new_tokens",
                 "sft.steps", "sft.batch_size", "sft.max_new_tokens", "bench.batch", "bench.max_new_tokens")
     for key in positive:
@@ -265,11 +268,15 @@ def validate(cfg: RunConfig) -> None:
     if cfg.train.is_lo > cfg.train.is_hi:
         raise ValueError(f"config keys train.is_lo = {cfg.train.is_lo} and train.is_hi = {cfg.train.is_hi}: need is_lo <= is_hi")
     if cfg.rollout.prompts_per_step % cfg.train.micro_batches:
-        # a micro-batch holds whole prompt groups: its gradient is a sum over groups
-        # (docs/design.md section 11)
+        # micro-batches and gradient chunks hold whole prompt groups (docs/design.md section 11)
         raise ValueError(
             f"train.micro_batches={cfg.train.micro_batches} must divide the rollout batch's prompt groups "
             f"(rollout.prompts_per_step = {cfg.rollout.prompts_per_step})"
+        )
+    if (cfg.rollout.prompts_per_step // cfg.train.micro_batches) % cfg.train.grad_chunks:
+        raise ValueError(
+            f"train.grad_chunks={cfg.train.grad_chunks} must divide a micro-batch's prompt groups "
+            f"(rollout.prompts_per_step / train.micro_batches = {cfg.rollout.prompts_per_step // cfg.train.micro_batches})"
         )
 
 

@@ -6,16 +6,17 @@ function of the global configuration, not of the world size N:
 
 - a step's prompt groups are dealt out per optimizer micro-batch: micro-batch
   i holds groups [i*g, (i+1)*g) (g = prompts_per_step / micro_batches, as in
-  one process) and rank r rolls out and trains the contiguous g/N of them
-  (`rank_groups`). A group never spans ranks, so advantages need no
+  one process), cut into `train.grad_chunks` gradient chunks, and rank r rolls
+  out and trains the contiguous 1/N of them (`rank_groups`; N must divide
+  grad_chunks). A group never spans ranks, so advantages need no
   communication;
 - every rank pads its rollout to the step's global grid (the longest prompt
   of the whole step, the longest sequence of any rank), so a row's tokens,
   log-probs and gradient are those of the one-process run (the backends are
   batch-invariant);
-- a micro-batch's gradient is the sum over its prompt groups of each group's
-  own gradient (one backward per group), accumulated in float64 and reduced
-  across ranks in float64, then rounded once to FP32. Float64 holds the sum of
+- a micro-batch's gradient is the sum of its chunks' gradients (one backward
+  per chunk, in one process too), accumulated in float64 and reduced across
+  ranks in float64, then rounded once to FP32. Float64 holds the sum of
   FP32 terms exactly unless one weight's terms span more than 2**29 in
   magnitude, so the order of the sum (which group on which rank, gloo's
   reduction order) does not reach the FP32 gradient: 1 and N ranks give the
@@ -31,6 +32,7 @@ has one code path.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import os
@@ -45,6 +47,24 @@ from torch import nn
 class DistributedError(ValueError):
     """A run that cannot be split across the ranks as asked (batch split,
     configs that differ between ranks): a user error, one line."""
+
+
+class RankLostError(RuntimeError):
+    """A collective failed: another rank died or cannot be reached."""
+
+
+@contextlib.contextmanager
+def collective(rank: int):
+    """Turn a failed gloo collective (a peer that died: "Connection reset by
+    peer", a timeout) into one `RankLostError` line."""
+    try:
+        yield
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise RankLostError(
+            f"rank {rank}: another data-parallel rank stopped or cannot be reached ({first[:160]}); "
+            "stopping too; continue with --resume"
+        ) from e
 
 
 @dataclass(frozen=True)
@@ -78,7 +98,8 @@ class World:
         if self.size == 1:
             return t
         parts = [torch.empty_like(t) for _ in range(self.size)]
-        dist.all_gather(parts, t.contiguous())
+        with collective(self.rank):
+            dist.all_gather(parts, t.contiguous())
         return torch.cat(parts)
 
     def gather_objects(self, obj: Any) -> list[Any]:
@@ -86,14 +107,16 @@ class World:
         if self.size == 1:
             return [obj]
         out: list[Any] = [None] * self.size
-        dist.all_gather_object(out, obj)
+        with collective(self.rank):
+            dist.all_gather_object(out, obj)
         return out
 
     def max_int(self, x: int) -> int:
         if self.size == 1:
             return x
         t = torch.tensor([x], dtype=torch.long)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        with collective(self.rank):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t)
 
     def any(self, flag: bool) -> bool:
@@ -102,7 +125,8 @@ class World:
     def sum_(self, t: torch.Tensor) -> torch.Tensor:
         """In-place sum over ranks."""
         if self.size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+            with collective(self.rank):
+                dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t
 
     def gather_varying(self, t: torch.Tensor) -> torch.Tensor:
@@ -118,7 +142,8 @@ class World:
 
     def barrier(self) -> None:
         if self.size > 1:
-            dist.barrier()
+            with collective(self.rank):
+                dist.barrier()
 
     def check_same(self, text: str, what: str) -> None:
         """Raise on every rank if `text` differs between ranks (e.g. the resolved config)."""
@@ -129,28 +154,33 @@ class World:
                                    "every rank must be started with the same command and files")
 
 
-def rank_groups(n_groups: int, micro_batches: int, world: World) -> list[int]:
+def rank_groups(n_groups: int, micro_batches: int, grad_chunks: int, world: World) -> list[int]:
     """The prompt groups rank `world.rank` owns, in its local order: of every
-    micro-batch's g = n_groups / micro_batches groups, the rank's contiguous
-    g / N. Raises when the split is not whole."""
-    if n_groups % micro_batches:
-        raise DistributedError(f"prompts_per_step {n_groups} is not divisible by micro_batches {micro_batches}")
-    g = n_groups // micro_batches
-    if g % world.size:
+    micro-batch's g = n_groups / micro_batches groups, cut into `grad_chunks`
+    gradient chunks, the rank's contiguous grad_chunks / N chunks. Raises when
+    the split is not whole."""
+    if n_groups % micro_batches or (n_groups // micro_batches) % grad_chunks:
         raise DistributedError(
-            f"the global batch does not split across {world.size} ranks: each of the {micro_batches} micro-batches "
-            f"holds {g} prompt groups (rollout.prompts_per_step / train.micro_batches), not a multiple of "
-            f"{world.size}; choose a prompts_per_step that is a multiple of {micro_batches * world.size}"
+            f"rollout.prompts_per_step {n_groups} does not split into {micro_batches} micro-batches of "
+            f"{grad_chunks} gradient chunks of whole prompt groups"
         )
+    if grad_chunks % world.size:
+        raise DistributedError(
+            f"the global batch does not split across {world.size} ranks: each micro-batch's gradient is the sum of "
+            f"train.grad_chunks = {grad_chunks} chunks, not a multiple of {world.size}; set train.grad_chunks to a "
+            f"multiple of {world.size} (e.g. --set train.grad_chunks={world.size}: the run is then the same on 1 "
+            f"process and on {world.size})"
+        )
+    g = n_groups // micro_batches
     share = g // world.size
     return [i * g + world.rank * share + j for i in range(micro_batches) for j in range(share)]
 
 
-def global_row_order(n_groups: int, group_size: int, micro_batches: int, world: World) -> torch.Tensor:
+def global_row_order(n_groups: int, group_size: int, micro_batches: int, grad_chunks: int, world: World) -> torch.Tensor:
     """`perm` [B] with `perm[k]` = the global row of the k-th row of `world.gather_rows(local)`."""
     rows = []
     for r in range(world.size):
-        for grp in rank_groups(n_groups, micro_batches, World(r, world.size)):
+        for grp in rank_groups(n_groups, micro_batches, grad_chunks, World(r, world.size)):
             rows.extend(range(grp * group_size, (grp + 1) * group_size))
     return torch.tensor(rows, dtype=torch.long)
 
@@ -166,13 +196,14 @@ def gather_global(t: torch.Tensor, perm: torch.Tensor, world: World) -> torch.Te
 
 
 class GradientSum:
-    """A micro-batch's gradient, summed over prompt groups and ranks in float64.
+    """A micro-batch's gradient, summed over gradient chunks and ranks in float64.
 
-    `add()` after each group's backward moves the FP32 `.grad` of every
+    `add()` after each chunk's backward moves the FP32 `.grad` of every
     parameter into a float64 accumulator; `reduce()` sums the accumulators over
-    ranks and writes the FP32 rounding back to `.grad`. Returns the number of
-    elements whose float64 sum was not exact (then 1 and N ranks may differ in
-    the last bit; 0 in every run measured)."""
+    ranks and writes the FP32 rounding back to `.grad`. `reduce()` returns the
+    number of this rank's float64 additions that were not exact (TwoSum; then
+    1 and N ranks may differ in the last bit; 0 in every run measured). The
+    cross-rank addition inside gloo's all-reduce is not checked."""
 
     def __init__(self, params: list[nn.Parameter], world: World) -> None:
         self.params = params
@@ -239,13 +270,13 @@ class ShardedMaster:
     def step(self) -> None:
         for c, s in zip(self.compute, self.shards):
             s.grad = _shard_of(c.grad, s)
-        self.optimizer.step()
+        self.optimizer.step()  # local: each rank its shard
         self.optimizer.zero_grad(set_to_none=True)
         self.pull()
 
     def pull(self) -> None:
         """The compute model's weights := the full master weights (all-gather)."""
-        with torch.no_grad():
+        with torch.no_grad(), collective(dist.get_rank()):
             for c, s in zip(self.compute, self.shards):
                 c.copy_(s.full_tensor())
 
@@ -262,8 +293,9 @@ class ShardedMaster:
         full = torch.optim.AdamW(self.compute, **{k: self.optimizer.defaults[k] for k in kept})
         sd = self.optimizer.state_dict()
         state = {}
-        for i, st in sd["state"].items():
-            state[i] = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v.clone()) for k, v in st.items()}
+        with collective(dist.get_rank()):
+            for i, st in sd["state"].items():
+                state[i] = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v.clone()) for k, v in st.items()}
         full.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
         return full
 

@@ -8,6 +8,7 @@ import torch
 
 from fp8rl.prompts import encode_prompts
 from fp8rl.config import CalibrationConfig
+from fp8rl.distributed import World
 from fp8rl.rollout.engine import SamplingParams, generate, sample_seed
 from fp8rl.tasks import Problem
 from fp8rl.tasks.rewards import batch_rewards
@@ -24,16 +25,19 @@ def evaluate(
     seed: int = 0,
     system_prompt: str = "",
     reward_fn: Callable[[str, Problem], float] | None = None,
+    world: World | None = None,
 ) -> dict[str, Any]:
     """Returns {"accuracy" (final answer correct), "reward_mean" (the task's RL reward,
     `reward_fn`, e.g. arith also checks the worked steps; = accuracy without one), "n",
-    "response_len_mean", "samples": the first few (question, completion, gold)}."""
+    "response_len_mean", "samples": the first few (question, completion, gold)}.
+    Under data parallelism (`world`) the ranks take turns over the batches and
+    every rank returns the whole result, the one-process numbers."""
+    world = world or World()
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
-    rewards: list[float] = []
-    task_rewards: list[float] = []
-    lengths: list[int] = []
-    samples: list[dict[str, str]] = []
-    for start in range(0, len(problems), batch_size):
+    mine = []  # (start, rewards, task rewards, lengths, texts) of this rank's batches
+    for b, start in enumerate(range(0, len(problems), batch_size)):
+        if b % world.size != world.rank:
+            continue
         chunk = problems[start : start + batch_size]
         prompts = encode_prompts(tokenizer, [p.question for p in chunk], system_prompt)
         out = generate(
@@ -42,11 +46,15 @@ def evaluate(
             seeds=[sample_seed(seed, 0, start + i) for i in range(len(chunk))],
         )
         texts = [tokenizer.decode(ids) for ids in out.completion_ids]
-        rewards += batch_rewards(texts, [p.answer for p in chunk])
-        task_rewards += [reward_fn(t, p) for t, p in zip(texts, chunk)] if reward_fn else rewards[-len(chunk):]
-        lengths += [len(ids) for ids in out.completion_ids]
-        if len(samples) < 3:
-            samples += [{"question": p.question, "completion": t, "gold": p.answer} for p, t in zip(chunk, texts)][: 3 - len(samples)]
+        correct = batch_rewards(texts, [p.answer for p in chunk])
+        task = [reward_fn(t, p) for t, p in zip(texts, chunk)] if reward_fn else correct
+        mine.append((start, correct, task, [len(ids) for ids in out.completion_ids], texts))
+    batches = sorted(b for rank_batches in world.gather_objects(mine) for b in rank_batches)
+    rewards = [r for b in batches for r in b[1]]
+    task_rewards = [r for b in batches for r in b[2]]
+    lengths = [n for b in batches for n in b[3]]
+    texts = [t for b in batches for t in b[4]]
+    samples = [{"question": p.question, "completion": t, "gold": p.answer} for p, t in zip(problems[:3], texts)]
     n = len(problems)
     return {
         "accuracy": sum(r >= 1.0 for r in rewards) / max(n, 1),

@@ -127,7 +127,7 @@ class StepResult:
 class Scored:
     """`_score`'s output (this rank's rows): the behaviour log-probs `old_logp`
     [b, S]; the training forward's own `logp` (carries the graph) and `entropy`
-    [G, S] of each prompt group of the first micro-batch, reused by
+    [rows, S] of each gradient chunk of the first micro-batch, reused by
     `_optimize`; the KL reference's `ref_logp` [b, S] if any."""
 
     old_logp: torch.Tensor
@@ -168,8 +168,8 @@ class Trainer:
         r, t = cfg.rollout, cfg.train
         # Refused on every rank before anything is loaded or written.
         self.world.check_same(json.dumps(cfg.to_dict(), sort_keys=True), "the resolved config")
-        self.my_groups = rank_groups(r.prompts_per_step, t.micro_batches, self.world)
-        self.row_order = global_row_order(r.prompts_per_step, r.group_size, t.micro_batches, self.world)
+        self.my_groups = rank_groups(r.prompts_per_step, t.micro_batches, t.grad_chunks, self.world)
+        self.row_order = global_row_order(r.prompts_per_step, r.group_size, t.micro_batches, t.grad_chunks, self.world)
         self._check_run_dir(resume)
         if model is None:
             from fp8rl.model import load
@@ -384,11 +384,13 @@ class Trainer:
         return torch.tensor([g * G + j for g in self.my_groups for j in range(G)], dtype=torch.long)
 
     def _units(self, micro_batch: int) -> list[range]:
-        """Local rows of each of this rank's prompt groups in `micro_batch`: the
-        units of the gradient sum (one backward each)."""
-        G = self.cfg.rollout.group_size
-        share = len(self.my_groups) // self.cfg.train.micro_batches
-        return [range((micro_batch * share + j) * G, (micro_batch * share + j + 1) * G) for j in range(share)]
+        """Local rows of each of this rank's gradient chunks in `micro_batch`
+        (`train.grad_chunks` per micro-batch, whole prompt groups): the terms of
+        the gradient sum, one backward each."""
+        G, t = self.cfg.rollout.group_size, self.cfg.train
+        share = len(self.my_groups) // t.micro_batches  # this rank's groups per micro-batch
+        per = self.cfg.rollout.prompts_per_step // t.micro_batches // t.grad_chunks  # groups per chunk
+        return [range((micro_batch * share + j) * G, (micro_batch * share + j + per) * G) for j in range(0, share, per)]
 
     def _rollout(self, problems: list[Problem]) -> Rollout:
         """Sample `group_size` completions per problem of this rank (a problem's
@@ -423,7 +425,7 @@ class Trainer:
 
     def _score(self, out: Rollout) -> Scored:
         """The training forward's log-probs of the sampled tokens, on the weights
-        that sampled: the behaviour log-probs. Each prompt group of the first
+        that sampled: the behaviour log-probs. Each gradient chunk of the first
         micro-batch is scored with a graph, which its backward reuses (no second
         forward of the same rows on the same weights); the other rows without
         one. The backends are batch-invariant, so scoring rows apart or together
@@ -456,8 +458,9 @@ class Trainer:
     def _optimize(self, out: Rollout, adv: torch.Tensor, scored: Scored, weights: torch.Tensor) -> Optimized:
         """`micro_batches` optimizer steps over consecutive blocks of prompt
         groups, the weights requantized after each. A micro-batch's gradient is
-        the float64 sum of its groups' gradients over all ranks, rounded once
-        (`GradientSum`), so it does not depend on how the groups are split."""
+        the float64 sum of its `grad_chunks` chunks' gradients over all ranks,
+        rounded once (`GradientSum`), so it does not depend on which rank
+        computed which chunk."""
         t = self.cfg.train
         lr = lr_at(self.cfg, self.step)
         for g in self.optimizer.param_groups:
@@ -469,7 +472,7 @@ class Trainer:
         grads = GradientSum(self.params, self.world)
         for i in range(M):
             n_tokens = int(mask_global[i * rows_per_mb:(i + 1) * rows_per_mb].sum())
-            units = []  # per group: (loss, clipped tokens, entropy sum), in local order
+            units = []  # per chunk: (loss, clipped tokens, entropy sum), in local order
             finite = True
             for j, unit in enumerate(self._units(i)):
                 sub = out.select(unit)
@@ -488,7 +491,10 @@ class Trainer:
                 grads.add()
                 ent_sum = float(torch.where(sub.completion_mask, ent.detach(), 0).double().sum())
                 units.append((float(loss.detach()), stats["n_clipped"], ent_sum))
-            grads.reduce()
+            inexact = grads.reduce()
+            if inexact:
+                self.log(f"step {self.step}: {inexact} gradient elements' float64 chunk sums were not exact; "
+                         "runs on different numbers of ranks may differ in their last bit")
             grad_norm = self._clip_and_step(finite and not self.world.any(not finite))
             refresh_weights(self.model)  # quantize once per optimizer step
             every = [u for rank_units in self.world.gather_objects(units) for u in rank_units]
@@ -499,7 +505,7 @@ class Trainer:
         return res
 
     def _backward(self, loss: torch.Tensor) -> bool:
-        """One prompt group's backward; False when its loss or an FP8 backward GEMM
+        """One gradient chunk's backward; False when its loss or an FP8 backward GEMM
         met a NaN/Inf (the micro-batch's optimizer step is then skipped)."""
         if not torch.isfinite(loss):
             return False
@@ -571,7 +577,7 @@ class Trainer:
         return evaluate(
             self.model, self.tokenizer, self.test_problems, max_new_tokens=e.max_new_tokens,
             temperature=e.temperature, batch_size=e.batch_size, seed=self.cfg.seed,
-            system_prompt=self.cfg.system_prompt, reward_fn=self.task.reward,
+            system_prompt=self.cfg.system_prompt, reward_fn=self.task.reward, world=self.world,
         )
 
     # -- the loop ----------------------------------------------------------------------
@@ -589,9 +595,8 @@ class Trainer:
                  + (f", {self.world.size} data-parallel ranks" if self.world.size > 1 else ""))
         try:
             if self.step == 0 and self.test_problems and 0 not in evals:
-                ev = self._evaluate_on_main(0, logger, evals)
-                if ev:
-                    self.log(f"held-out accuracy before training: {ev['accuracy']:.3f} (n={ev['n']})")
+                ev = self._evaluate_and_log(0, logger, evals)
+                self.log(f"held-out accuracy before training: {ev['accuracy']:.3f} (n={ev['n']})")
             columns = [TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                        TextColumn("{task.fields[info]}")]
             with Progress(*columns, disable=not (progress and main), transient=False) as bar:
@@ -606,7 +611,7 @@ class Trainer:
                         f"len {m['response_len_mean']:.1f}  {m['time_step_s']:.1f}s/step"))
                     at_end = self.step == cfg.train.steps
                     if self.test_problems and ((cfg.eval.every and self.step % cfg.eval.every == 0) or at_end):
-                        self._evaluate_on_main(self.step, logger, evals)
+                        self._evaluate_and_log(self.step, logger, evals)
                     if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or at_end:
                         self.save()
         finally:
@@ -616,16 +621,12 @@ class Trainer:
             return {}
         return self.finish(evals, time.perf_counter() - t_run)
 
-    def _evaluate_on_main(self, step: int, logger: RunLogger | None, evals: dict[int, dict[str, Any]]) -> dict[str, Any] | None:
-        """Held-out evaluation by rank 0 (every rank holds the same weights); the
-        others wait for it."""
-        ev = None
-        if self.world.is_main:
-            ev = self.evaluate()
-            assert logger is not None
+    def _evaluate_and_log(self, step: int, logger: RunLogger | None, evals: dict[int, dict[str, Any]]) -> dict[str, Any]:
+        """Held-out evaluation, the ranks taking turns over its batches; rank 0 logs it."""
+        ev = self.evaluate()
+        evals[step] = {"accuracy": ev["accuracy"]}
+        if logger:
             logger.log_eval(step, {"accuracy": ev["accuracy"], "reward_mean": ev["reward_mean"], "n": ev["n"]})
-            evals[step] = {"accuracy": ev["accuracy"]}
-        self.world.barrier()
         return ev
 
     def finish(self, evals: dict[int, dict[str, Any]], wall_s: float) -> dict[str, Any]:

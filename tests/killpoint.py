@@ -5,7 +5,9 @@
 ATTR is a function or `Class.method` of MODULE, looked up at call time by
 its callers. The process kills itself (SIGKILL: no cleanup, no finally
 blocks, exactly like `kill -9` or a lost machine) just before or just after
-the N-th call. Used by tests/test_crash_safety.py; no hook in fp8rl itself.
+the N-th call; under torchrun, only on rank KILLPOINT_RANK when that is set.
+Used by tests/test_crash_safety.py and tests/test_distributed.py; no hook in
+fp8rl itself.
 """
 
 from __future__ import annotations
@@ -44,7 +46,9 @@ if __name__ == "__main__":
     target, nth, when = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     if when not in ("before", "after"):
         raise SystemExit(f"when must be before or after, got {when!r}")
-    install(target, nth, when)
+    # Under torchrun, KILLPOINT_RANK=r kills only rank r (a lost rank of a data-parallel run).
+    if os.environ.get("KILLPOINT_RANK", os.environ.get("RANK", "0")) == os.environ.get("RANK", "0"):
+        install(target, nth, when)
     from fp8rl.cli import main
 
     sys.exit(main(sys.argv[split + 1 :]))

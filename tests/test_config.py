@@ -40,6 +40,8 @@ def test_toml_and_overrides(tmp_path: Path):
         ("[train]\ncorrection = 'magic'", "train.correction = 'magic' is not one of"),
         ("[rollout]\ngroup_size = 0", "rollout.group_size must be >= 1"),
         ("[train]\nmicro_batches = 3", "must divide the rollout batch's prompt groups"),
+        ("[train]\ngrad_chunks = 3", "train.grad_chunks=3 must divide a micro-batch's prompt groups"),
+        ("[train]\ngrad_chunks = 0", "train.grad_chunks must be >= 1"),
         ("seed = ", "invalid TOML"),
         # old flat sft/export keys: the error says which section they live in now
         ("steps = 300",

@@ -33,9 +33,12 @@ max_new_tokens = 16
 [train]
 steps = {steps}
 micro_batches = 2
+grad_chunks = 2
 [eval]
 every = 0
-n = 0
+n = 8
+batch_size = 4
+max_new_tokens = 8
 [checkpoint]
 every = 1
 keep_last = 3
@@ -43,18 +46,29 @@ keep_last = 3
 
 
 def test_rank_groups_deal_each_micro_batch_out_in_contiguous_shares():
-    # 8 groups, 2 micro-batches of 4: rank r of 2 gets 2 of each micro-batch.
-    assert rank_groups(8, 2, World(0, 2)) == [0, 1, 4, 5]
-    assert rank_groups(8, 2, World(1, 2)) == [2, 3, 6, 7]
-    assert rank_groups(8, 2, World(0, 1)) == list(range(8))
-    assert sorted(g for r in range(4) for g in rank_groups(8, 2, World(r, 4))) == list(range(8))
-    with pytest.raises(DistributedError, match=r"4 prompt groups .* not a multiple of 3.*multiple of 6"):
-        rank_groups(8, 2, World(0, 3))
+    # 8 groups, 2 micro-batches of 4 groups, 2 gradient chunks each: rank r of 2 gets one chunk of each.
+    assert rank_groups(8, 2, 2, World(0, 2)) == [0, 1, 4, 5]
+    assert rank_groups(8, 2, 2, World(1, 2)) == [2, 3, 6, 7]
+    assert rank_groups(8, 2, 2, World(0, 1)) == list(range(8))
+    assert sorted(g for r in range(4) for g in rank_groups(8, 2, 4, World(r, 4))) == list(range(8))
+    with pytest.raises(DistributedError, match=r"grad_chunks = 2 chunks, not a multiple of 4.*grad_chunks=4"):
+        rank_groups(8, 2, 2, World(0, 4))
+    with pytest.raises(DistributedError, match="does not split into 2 micro-batches of 3 gradient chunks"):
+        rank_groups(8, 2, 3, World(0, 1))
+
+
+def test_ranks_started_with_different_configs_are_refused(monkeypatch: pytest.MonkeyPatch):
+    world = World(0, 3)
+    monkeypatch.setattr(World, "gather_objects", lambda self, obj: [obj, obj, obj + " changed"])
+    with pytest.raises(DistributedError, match=r"the resolved config differs between ranks \(rank 0 vs rank\(s\) \[2\]\)"):
+        world.check_same("{}", "the resolved config")
+    monkeypatch.setattr(World, "gather_objects", lambda self, obj: [obj, obj, obj])
+    world.check_same("{}", "the resolved config")
 
 
 def test_global_row_order_puts_gathered_rows_back_in_one_process_order():
     world = World(0, 2)
-    perm = global_row_order(4, 2, 2, world)  # groups: rank 0 -> 0, 2; rank 1 -> 1, 3
+    perm = global_row_order(4, 2, 2, 2, world)  # groups: rank 0 -> 0, 2; rank 1 -> 1, 3
     assert perm.tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
     gathered = torch.tensor([0, 1, 4, 5, 2, 3, 6, 7]) * 10  # what all_gather would return
     out = torch.empty_like(gathered)
@@ -142,13 +156,14 @@ def train(tmp: Path, name: str, nproc: int, *, flow: str = "jet-kv", backend: st
 
 
 def assert_same_run(a: Path, b: Path, step: int) -> None:
-    """Metrics (timings aside), weights, optimizer state and Q/K/V scales equal bit for bit."""
+    """Metrics (timings aside), evaluations, weights, optimizer state and Q/K/V scales equal bit for bit."""
     rows_a = [json.loads(x) for x in (a / "metrics.jsonl").read_text().splitlines()]
     rows_b = [json.loads(x) for x in (b / "metrics.jsonl").read_text().splitlines()]
     assert len(rows_a) == len(rows_b) == step
     for ra, rb in zip(rows_a, rows_b):
         diff = {k: (ra[k], rb[k]) for k in ra if k not in TIMING and ra[k] != rb[k]}
         assert diff == {}, f"step {ra['step']}"
+    assert (a / "eval.jsonl").read_text() == (b / "eval.jsonl").read_text()  # two batches: one per rank
     ca, cb = (checkpoint_path(run, step) for run in (a, b))
     for f in ("model.safetensors", "optimizer.safetensors"):
         ta, tb = load_file(ca / f), load_file(cb / f)
@@ -161,7 +176,7 @@ def assert_same_run(a: Path, b: Path, step: int) -> None:
 def test_two_ranks_train_exactly_what_one_process_trains(tmp_path: Path):
     """The fast 2-rank check of the default suite: jet-kv (FP8 weights, KV cache
     and attention, so the Q/K/V calibration is pooled across ranks) on the fast
-    `cpu` backend, 2 steps of 2 optimizer steps each."""
+    `cpu` backend, 2 steps of 2 optimizer steps each, 2 gradient chunks."""
     train(tmp_path, "one", 1)
     two = train(tmp_path, "two", 2)
     assert "2 data-parallel ranks" in two.stdout
@@ -176,7 +191,7 @@ def test_a_batch_that_does_not_split_is_refused_in_one_line(tmp_path: Path):
     assert res.returncode != 0
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, res.stderr[-2000:]  # rank 0 says it, once
-    assert "does not split across 3 ranks" in errors[0]
+    assert "does not split across 3 ranks" in errors[0] and "grad_chunks=3" in errors[0]
     assert not (tmp_path / "three").exists()  # nothing written
 
 
@@ -199,3 +214,30 @@ def test_resume_at_another_world_size_continues_exactly(tmp_path: Path):
     train(tmp_path, "one_then_two", 1, steps=1)
     train(tmp_path, "one_then_two", 2, steps=2, extra=("--resume",))
     assert_same_run(tmp_path / "whole", tmp_path / "one_then_two", 2)
+
+
+@pytest.mark.slow
+def test_a_lost_rank_stops_the_run_in_bounded_time_and_resume_continues_exactly(tmp_path: Path):
+    """Rank 1 SIGKILLed before its 2nd optimizer phase (step 2, after the step-1
+    checkpoint): rank 0 says so in one line and stops, within seconds, and
+    `--resume` on 2 ranks ends where an uninterrupted one-process run ends."""
+    import time
+
+    train(tmp_path, "whole", 1, steps=3)
+    cfg = tmp_path / "lost.toml"
+    cfg.write_text(SMALL_RUN.format(flow="jet-kv", backend="cpu", steps=3))
+    killpoint = Path(__file__).resolve().parent / "killpoint.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(killpoint),
+           "fp8rl.train:Trainer._optimize", "2", "before", "--",
+           "train", "--config", str(cfg), "--out", str(tmp_path / "lost"), "--no-progress"]
+    env = {**_env(), "KILLPOINT_RANK": "1", "PYTHONPATH": str(killpoint.parent.parent)}
+    t0 = time.perf_counter()
+    died = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    waited = time.perf_counter() - t0
+    assert died.returncode != 0
+    assert waited < 120, f"the surviving rank took {waited:.0f} s to stop"
+    said = [line for line in (died.stdout + died.stderr).splitlines() if line.startswith("error:")]
+    assert len(said) == 1 and "rank 0: another data-parallel rank stopped" in said[0], said
+    assert (tmp_path / "lost" / "checkpoints" / "step_1").is_dir()
+    train(tmp_path, "lost", 2, steps=3, extra=("--resume",))
+    assert_same_run(tmp_path / "whole", tmp_path / "lost", 3)

@@ -267,7 +267,8 @@ def test_choose_backend_policy(monkeypatch: pytest.MonkeyPatch):
     assert probed == [("amx", big), ("amx", small)]
     monkeypatch.setattr(fb, "amx_available", lambda: False)
     assert choose_backend(torch.device("cpu"), small) is BACKENDS["cpu"]
-    assert fb.resolve_backend("amx", small) is BACKENDS["amx"]  # a name is taken as given, unprobed
+    with pytest.warns(UserWarning, match="'amx' on a CPU without AMX tiles"):
+        assert fb.resolve_backend("amx", small) is BACKENDS["amx"]  # a name is taken as given, unprobed
     assert probed[2:] == [("cpu", small)]
     monkeypatch.setattr(fb, "batch_invariance_failures", lambda backend, model: ["fp8 GEMM 64x64: rows 0..0 differ"])
     with pytest.warns(UserWarning, match="not batch-invariant on this CPU .*fp8 GEMM 64x64.*reference"):

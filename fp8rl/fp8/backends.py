@@ -700,11 +700,20 @@ def choose_backend(device: torch.device, model: nn.Module | None = None) -> Back
 
 
 def resolve_backend(backend: Backend | str, model: nn.Module) -> Backend:
-    """``"auto"`` -> ``choose_backend(model's device, model)``; a name -> the registry's backend."""
+    """``"auto"`` -> ``choose_backend(model's device, model)``; a name -> the registry's
+    backend, with a warning when it is ``amx`` on a CPU without AMX tiles."""
     if backend == "auto":
         first = next(iter(model.parameters()), None)
         return choose_backend(first.device if first is not None else torch.device("cpu"), model)
-    return get_backend(backend)
+    chosen = get_backend(backend)
+    if chosen.name == "amx" and not amx_available():
+        warnings.warn(
+            "backend 'amx' on a CPU without AMX tiles: its BF16 GEMMs are emulated there "
+            "(11-12x slower than 'cpu' for the tiny policy on an AVX2-only AMD EPYC, 2026-12-01); "
+            "'auto' picks the fast backend",
+            stacklevel=2,
+        )
+    return chosen
 
 
 def fp8_matmul(

@@ -5,6 +5,9 @@ Layout of `run_dir/checkpoints/step_N/`:
     optimizer.safetensors  optimizer state tensors, keys `state.{param_idx}.{name}`
     optimizer.json         optimizer class, param_groups hyper-parameters,
                            non-tensor state values
+    optimizer/             instead of the two above, from data-parallel ranks:
+                           the optimizer state as torch.distributed.checkpoint
+                           shards (each rank writes its own; .metadata maps them)
     meta.json              trainer metadata (step, config, scheduler, ...)
     <extra>.json           files the caller adds (the trainer: config.json)
     manifest.json          SHA-256 and size of every file above, written last
@@ -20,7 +23,8 @@ deleting it, so a kill mid-delete never leaves a partial `step_N`. Leftover
 `*.tmp-*` directories are removed by the next save. Loading verifies the
 manifest's checksums and that every tensor is finite; a checkpoint with a
 non-finite weight or optimizer value is never written. One writer per run
-directory.
+directory (data-parallel ranks write their optimizer shards into the
+unpublished checkpoint that writer made).
 """
 
 from __future__ import annotations
@@ -31,9 +35,10 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -44,6 +49,7 @@ CHECKPOINTS_DIR = "checkpoints"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _ALIASES_KEY = "fp8rl.aliases"  # safetensors metadata: JSON {alias: stored name}
 MANIFEST = "manifest.json"
+SHARDED_OPTIMIZER = "optimizer"  # directory of torch.distributed.checkpoint optimizer shards
 
 
 class CheckpointError(ValueError):
@@ -69,10 +75,11 @@ def save_checkpoint(
     ckpt_dir: Path,
     *,
     model_state: Mapping[str, Tensor],
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     meta: dict[str, Any],
     keep_last: int | None = None,
     extra_json: Mapping[str, Any] | None = None,
+    write_shards: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write a checkpoint atomically to `ckpt_dir` (e.g. `checkpoint_path(run, N)`) and return it.
 
@@ -83,7 +90,9 @@ def save_checkpoint(
     CheckpointError naming it, before anything is written. An existing
     `ckpt_dir` is replaced. Leftover `*.tmp-*` dirs of killed saves in the same
     parent are removed first. keep_last=K then deletes all but the K highest
-    `step_N` siblings.
+    `step_N` siblings. `optimizer=None` with `write_shards(tmp)`: data-parallel
+    ranks write the optimizer state into the unpublished checkpoint themselves
+    (`save_sharded_optimizer`); the manifest then covers their files too.
     """
     ckpt_dir = Path(ckpt_dir)
     parent = ckpt_dir.parent
@@ -93,7 +102,7 @@ def save_checkpoint(
     reserved = {"model.safetensors", "optimizer.safetensors", "optimizer.json", "meta.json", MANIFEST}
     if reserved & set(extra) or not all(name.endswith(".json") and "/" not in name for name in extra):
         raise ValueError(f"extra_json names must be plain *.json files other than {sorted(reserved)}, got {sorted(extra)}")
-    opt_tensors, opt_json = _flatten_optimizer(optimizer)
+    opt_tensors, opt_json = _flatten_optimizer(optimizer) if optimizer is not None else ({}, None)
     for obj, what in ((opt_json, "optimizer"), (meta, "meta"), *((v, k) for k, v in extra.items())):
         _check_json(obj, what)  # fail before writing anything
     _check_finite(model_state, "model")
@@ -103,11 +112,14 @@ def save_checkpoint(
     tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f"{ckpt_dir.name}.tmp-"))
     try:
         _save_tensors(tmp / "model.safetensors", model_state)
-        _save_tensors(tmp / "optimizer.safetensors", opt_tensors)
-        _write_json(tmp / "optimizer.json", opt_json)
+        if optimizer is not None:
+            _save_tensors(tmp / "optimizer.safetensors", opt_tensors)
+            _write_json(tmp / "optimizer.json", opt_json)
         _write_json(tmp / "meta.json", meta)
         for name, obj in extra.items():
             _write_json(tmp / name, obj)
+        if write_shards is not None:
+            write_shards(tmp)
         _write_json(tmp / MANIFEST, _manifest(tmp))  # last: its presence means the rest is whole
         _fsync_dir(tmp)
         _publish(tmp, ckpt_dir)
@@ -166,9 +178,10 @@ def _sha256(path: Path) -> str:
 
 
 def _manifest(folder: Path) -> dict[str, Any]:
-    """{"files": {name: {"sha256", "bytes"}}} of every file in `folder`."""
-    files = sorted(p for p in folder.iterdir() if p.is_file() and p.name != MANIFEST)
-    return {"files": {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in files}}
+    """{"files": {relative path: {"sha256", "bytes"}}} of every file under `folder`."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+    return {"files": {p.relative_to(folder).as_posix(): {"sha256": _sha256(p), "bytes": p.stat().st_size}
+                      for p in files}}
 
 
 def verify_checkpoint(ckpt_dir: Path) -> bool:
@@ -210,8 +223,14 @@ def load_checkpoint(
     ckpt_dir: Path,
     model: nn.Module | Mapping[str, Tensor],
     optimizer: torch.optim.Optimizer | None = None,
+    optimizer_module: nn.Module | None = None,
 ) -> dict[str, Any]:
     """Restore model (and optimizer) in place; return meta.
+
+    An optimizer state written by data-parallel ranks (`optimizer/`) is read
+    with torch.distributed.checkpoint into `optimizer`, whose parameters are
+    those of `optimizer_module` (default `model`): plain tensors in one
+    process, the rank's shards under FSDP2, whatever the world size that wrote it.
 
     `model` is a module (its state_dict is filled) or a name -> tensor dict
     filled in place. Names, shapes and dtypes must match exactly (an exact
@@ -232,6 +251,13 @@ def load_checkpoint(
     _check_same_tensors(saved, target, ckpt_dir / "model.safetensors")
     _check_finite(saved, "model", ckpt_dir / "model.safetensors")
 
+    if optimizer is not None and (ckpt_dir / SHARDED_OPTIMIZER).is_dir():
+        with torch.no_grad():
+            for k, t in target.items():
+                t.copy_(saved[k])
+        assert isinstance(model, nn.Module) or optimizer_module is not None
+        load_sharded_optimizer(ckpt_dir / SHARDED_OPTIMIZER, optimizer_module or model, optimizer)
+        return meta
     opt_state = None
     if optimizer is not None:
         names = {id(p): n for n, p in model.named_parameters()} if isinstance(model, nn.Module) else {}
@@ -243,6 +269,44 @@ def load_checkpoint(
     if opt_state is not None:
         optimizer.load_state_dict(opt_state)
     return meta
+
+
+# --- optimizer shards of data-parallel ranks ----------------------------------
+
+
+def save_sharded_optimizer(folder: Path, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Every rank's optimizer shards into `folder` (torch.distributed.checkpoint,
+    keyed by parameter names, so any world size can read them back). Collective:
+    every rank calls it. A non-finite value raises CheckpointError first."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    osd = get_optimizer_state_dict(module, optimizer)
+    local = {f"{name}.{k}": (v.to_local() if hasattr(v, "to_local") else v)
+             for name, st in osd["state"].items() for k, v in st.items() if torch.is_tensor(v)}
+    _check_finite(local, "optimizer")
+    dcp.save({"optimizer": osd}, checkpoint_id=str(folder))
+
+
+def load_sharded_optimizer(folder: Path, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """`optimizer` (AdamW over `module`'s parameters, plain or FSDP2 shards) :=
+    the state in `folder`. Collective under torch.distributed; plain in one process."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    for group in optimizer.param_groups:  # AdamW creates its state lazily: make the slots to read into
+        for p in group["params"]:
+            optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                  "exp_avg_sq": torch.zeros_like(p)}
+    osd = get_optimizer_state_dict(module, optimizer)
+    one_process = not torch.distributed.is_initialized()
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({"optimizer": osd}, checkpoint_id=str(folder), no_dist=one_process)
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{folder}: cannot read the optimizer shards ({e})") from e
+    set_optimizer_state_dict(module, optimizer, osd)
 
 
 # --- tensors -----------------------------------------------------------------

@@ -160,6 +160,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     world = World.from_env()  # torchrun's ranks, or one process
     # Everything that can be refused (model, task, run directory) is checked
     # while the trainer is built, before the config is printed and the run starts.
+    if world.size > 1:
+        _stop_on_sigterm(world.rank)
     trainer = Trainer(cfg, resume=args.resume, log=console.print, world=world)
     if not world.is_main:
         trainer.run(progress=False)
@@ -180,6 +182,20 @@ def cmd_train(args: argparse.Namespace) -> int:
     )
     _emit(args, summary, human)
     return 0
+
+
+def _stop_on_sigterm(rank: int) -> None:
+    """torchrun ends the surviving ranks of a run that lost one with SIGTERM: say so
+    in one line (as a failed collective does) instead of dying silently."""
+    import signal
+
+    from fp8rl.distributed import RankLostError
+
+    def stop(signum: int, frame: Any) -> None:
+        raise RankLostError(f"rank {rank}: another data-parallel rank stopped (torchrun ended this one); "
+                            "continue with --resume")
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 def _torchrun(nproc: int, argv: list[str]) -> int:

@@ -25,6 +25,8 @@ function of the global configuration, not of the world size N:
   Shard(0) DTensors): each rank steps its shard; the updated shards are
   all-gathered into the rank's compute model, whose weights every rank's
   rollout needs whole anyway, and quantized there once per optimizer step.
+  Checkpoints hold the optimizer state as torch.distributed.checkpoint shards
+  (fp8rl/checkpoint.py), readable at any world size.
 
 `World()` is one process: every collective is the identity, so the trainer
 has one code path.
@@ -285,19 +287,6 @@ class ShardedMaster:
         with torch.no_grad():
             for c, s in zip(self.compute, self.shards):
                 s.to_local().copy_(_shard_of(c.detach(), s).to_local())
-
-    def full_optimizer(self) -> torch.optim.AdamW:
-        """A one-process AdamW over the compute parameters holding the full
-        (all-gathered) state: what a checkpoint stores, whatever the world size."""
-        kept = ("lr", "betas", "eps", "weight_decay")
-        full = torch.optim.AdamW(self.compute, **{k: self.optimizer.defaults[k] for k in kept})
-        sd = self.optimizer.state_dict()
-        state = {}
-        with collective(dist.get_rank()):
-            for i, st in sd["state"].items():
-                state[i] = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v.clone()) for k, v in st.items()}
-        full.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
-        return full
 
     def load_full_optimizer(self, full: torch.optim.Optimizer) -> None:
         """This rank's shard of a one-process optimizer state (a resumed checkpoint)."""

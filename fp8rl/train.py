@@ -41,12 +41,14 @@ import torch
 
 from fp8rl.checkpoint import (
     CHECKPOINTS_DIR,
+    SHARDED_OPTIMIZER,
     CheckpointError,
     checkpoint_path,
     latest_checkpoint,
     load_checkpoint,
     remove_leftovers,
     save_checkpoint,
+    save_sharded_optimizer,
 )
 from fp8rl.config import COMMAND_SECTIONS, RunConfig, save_config
 from fp8rl.distributed import GradientSum, ShardedMaster, World, gather_global, global_row_order, rank_groups
@@ -303,11 +305,16 @@ class Trainer:
                 RunLogger(self.run_dir, use_tensorboard=False).truncate_after(0)
             self.log(f"{self.run_dir}: no checkpoint was written yet; starting again from step 0")
             return
-        # A checkpoint holds the full optimizer state, whatever the world size
-        # that wrote it: loaded whole, then sharded.
-        full_opt = torch.optim.AdamW(self.params, lr=self.cfg.train.lr) if self.master else self.optimizer
+        # Optimizer state written by one process: loaded whole (then sharded here);
+        # by data-parallel ranks: read as shards of any world size.
+        one_process = not (ckpt / SHARDED_OPTIMIZER).is_dir()
+        full_opt = torch.optim.AdamW(self.params, lr=self.cfg.train.lr) if self.master and one_process else None
         try:
-            meta = load_checkpoint(ckpt, self.model, full_opt)
+            if full_opt is not None:
+                meta = load_checkpoint(ckpt, self.model, full_opt)
+            else:
+                meta = load_checkpoint(ckpt, self.model, self.optimizer,
+                                       optimizer_module=self.master.master if self.master else None)
             self.step, scales = _checked_meta(meta, ckpt, len(self.model.model.layers))
         except CheckpointError as e:
             earlier = [p.name for p in sorted(ckpt.parent.iterdir()) if p != ckpt and p.name.startswith("step_")]
@@ -319,19 +326,28 @@ class Trainer:
         self._set_attention_scales(scales)
         if self.master:
             self.master.push()
-            self.master.load_full_optimizer(full_opt)
+            if full_opt is not None:
+                self.master.load_full_optimizer(full_opt)
         refresh_weights(self.model)
         if self.world.is_main:
             RunLogger(self.run_dir, use_tensorboard=False).truncate_after(self.step)
         self.log(f"resumed from {ckpt} at step {self.step}")
 
     def save(self) -> Path | None:
-        """Rank 0 writes the checkpoint (full weights and optimizer state, loadable
-        at any world size); the others help gather the optimizer state."""
-        optimizer = self.master.full_optimizer() if self.master else self.optimizer
-        if not self.world.is_main:
+        """Write the checkpoint: rank 0 the weights (every rank holds them whole) and
+        metadata; under data parallelism every rank its optimizer shards
+        (torch.distributed.checkpoint, readable at any world size), into the
+        unpublished checkpoint rank 0 then publishes."""
+        if self.master and not self.world.is_main:
+            unpublished = self.world.gather_objects(None)[0]  # rank 0's tmp directory
+            save_sharded_optimizer(Path(unpublished) / SHARDED_OPTIMIZER, self.master.master, self.optimizer)
             self.world.barrier()
             return None
+
+        def write_shards(unpublished: Path) -> None:
+            self.world.gather_objects(str(unpublished))
+            save_sharded_optimizer(unpublished / SHARDED_OPTIMIZER, self.master.master, self.optimizer)
+
         meta = {
             "step": self.step,
             "bad_steps": self.bad_steps,
@@ -343,10 +359,11 @@ class Trainer:
         path = save_checkpoint(
             checkpoint_path(self.run_dir, self.step),
             model_state=self.model.state_dict(),
-            optimizer=optimizer,
+            optimizer=None if self.master else self.optimizer,
             meta=meta,
             keep_last=self.cfg.checkpoint.keep_last,
             extra_json={"config.json": self.cfg.to_dict()},  # inside the checkpoint before it is published
+            write_shards=write_shards if self.master else None,
         )
         self.world.barrier()
         return path

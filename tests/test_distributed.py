@@ -155,20 +155,39 @@ def train(tmp: Path, name: str, nproc: int, *, flow: str = "jet-kv", backend: st
     return res
 
 
-def assert_same_run(a: Path, b: Path, step: int) -> None:
-    """Metrics (timings aside), evaluations, weights, optimizer state and Q/K/V scales equal bit for bit."""
+def optimizer_state(ckpt: Path) -> dict:
+    """A checkpoint's AdamW state read into one process, whichever world size wrote
+    it (optimizer.safetensors of one process, torch.distributed.checkpoint shards of N)."""
+    from fp8rl.checkpoint import load_checkpoint
+    from fp8rl.model import load
+    from fp8rl.precision import apply_flow
+
+    run = json.loads((ckpt / "config.json").read_text())
+    model, _ = load(run["model"])
+    apply_flow(model, run["flow"], backend="reference")
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    load_checkpoint(ckpt, model, opt)
+    return opt.state_dict()["state"]
+
+
+def assert_same_run(a: Path, b: Path, step: int, evals: bool = True) -> None:
+    """Metrics (timings aside), evaluations (unless a resumed run evaluated at
+    the end of each part), weights, optimizer state and Q/K/V scales equal bit for bit."""
     rows_a = [json.loads(x) for x in (a / "metrics.jsonl").read_text().splitlines()]
     rows_b = [json.loads(x) for x in (b / "metrics.jsonl").read_text().splitlines()]
     assert len(rows_a) == len(rows_b) == step
     for ra, rb in zip(rows_a, rows_b):
         diff = {k: (ra[k], rb[k]) for k in ra if k not in TIMING and ra[k] != rb[k]}
         assert diff == {}, f"step {ra['step']}"
-    assert (a / "eval.jsonl").read_text() == (b / "eval.jsonl").read_text()  # two batches: one per rank
+    if evals:
+        assert (a / "eval.jsonl").read_text() == (b / "eval.jsonl").read_text()  # two batches: one per rank
     ca, cb = (checkpoint_path(run, step) for run in (a, b))
-    for f in ("model.safetensors", "optimizer.safetensors"):
-        ta, tb = load_file(ca / f), load_file(cb / f)
-        assert ta.keys() == tb.keys()
-        assert [k for k in ta if not torch.equal(ta[k], tb[k])] == [], f
+    ta, tb = load_file(ca / "model.safetensors"), load_file(cb / "model.safetensors")
+    assert ta.keys() == tb.keys()
+    assert [k for k in ta if not torch.equal(ta[k], tb[k])] == []
+    sa, sb = optimizer_state(ca), optimizer_state(cb)
+    assert sa.keys() == sb.keys() and sa
+    assert [i for i in sa for k in sa[i] if not torch.equal(sa[i][k], sb[i][k])] == []
     meta_a, meta_b = (json.loads((c / "meta.json").read_text()) for c in (ca, cb))
     assert meta_a["attention_scales"] == meta_b["attention_scales"]
 
@@ -183,6 +202,25 @@ def test_two_ranks_train_exactly_what_one_process_trains(tmp_path: Path):
     assert_same_run(tmp_path / "one", tmp_path / "two", 2)
     rows = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["token_mult_prob_error"] == 1.0 for r in rows)
+    # the optimizer state as each rank's shard, under the checkpoint's manifest
+    ckpt = checkpoint_path(tmp_path / "two", 2)
+    listed = json.loads((ckpt / "manifest.json").read_text())["files"]
+    assert {"optimizer/.metadata", "optimizer/__0_0.distcp", "optimizer/__1_0.distcp"} <= set(listed)
+    assert not (ckpt / "optimizer.safetensors").exists()
+
+
+def test_a_damaged_optimizer_shard_is_refused(tmp_path: Path):
+    from fp8rl.checkpoint import CheckpointError, verify_checkpoint
+
+    train(tmp_path, "two", 2, steps=1)
+    shard = checkpoint_path(tmp_path / "two", 1) / "optimizer" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"__1_0.distcp: SHA-256 differs"):
+        verify_checkpoint(shard.parent.parent)
+    res = train(tmp_path, "two", 1, steps=2, extra=("--resume",), check=False)
+    assert res.returncode == 2 and "__1_0.distcp: SHA-256 differs" in res.stderr
 
 
 def test_a_batch_that_does_not_split_is_refused_in_one_line(tmp_path: Path):
@@ -210,10 +248,10 @@ def test_resume_at_another_world_size_continues_exactly(tmp_path: Path):
     train(tmp_path, "whole", 1, steps=2)
     train(tmp_path, "two_then_one", 2, steps=1)
     train(tmp_path, "two_then_one", 1, steps=2, extra=("--resume",))
-    assert_same_run(tmp_path / "whole", tmp_path / "two_then_one", 2)
+    assert_same_run(tmp_path / "whole", tmp_path / "two_then_one", 2, evals=False)
     train(tmp_path, "one_then_two", 1, steps=1)
     train(tmp_path, "one_then_two", 2, steps=2, extra=("--resume",))
-    assert_same_run(tmp_path / "whole", tmp_path / "one_then_two", 2)
+    assert_same_run(tmp_path / "whole", tmp_path / "one_then_two", 2, evals=False)
 
 
 @pytest.mark.slow
@@ -240,4 +278,4 @@ def test_a_lost_rank_stops_the_run_in_bounded_time_and_resume_continues_exactly(
     assert len(said) == 1 and "rank 0: another data-parallel rank stopped" in said[0], said
     assert (tmp_path / "lost" / "checkpoints" / "step_1").is_dir()
     train(tmp_path, "lost", 2, steps=3, extra=("--resume",))
-    assert_same_run(tmp_path / "whole", tmp_path / "lost", 3)
+    assert_same_run(tmp_path / "whole", tmp_path / "lost", 3, evals=False)

@@ -123,11 +123,35 @@ def _emit(args: argparse.Namespace, result: dict[str, Any], human: str) -> None:
         print(human)
 
 
-def _load(model_src: str) -> tuple[Any, Any]:
-    """(model, tokenizer); a model without tokenizer files is an error here."""
+def _load_any(model_src: str) -> tuple[Any, Any]:
+    """(model, tokenizer or None) of a model source, or of a training run's
+    checkpoint (`runs/NAME/checkpoints/step_N`, written by one process or by
+    data-parallel ranks): its run's model with the trained weights."""
     from fp8rl.model import load
 
-    model, tok = load(model_src)
+    ckpt = Path(model_src).expanduser()
+    if not ((ckpt / "meta.json").is_file() and (ckpt / "model.safetensors").is_file()):
+        return load(model_src)
+    import torch
+
+    from fp8rl.checkpoint import load_checkpoint
+
+    run = json.loads((ckpt / "config.json").read_text(encoding="utf-8"))
+    if not isinstance(run, dict) or not isinstance(run.get("model"), str):
+        raise ValueError(f"{ckpt / 'config.json'}: not a run config (no 'model'); is {ckpt} a training checkpoint?")
+    model, tok = load(run["model"])
+    meta = load_checkpoint(ckpt, model)
+    scales = meta.get("attention_scales", {})  # the run's FP8 Q/K/V scales (FP8 KV flows)
+    for i, layer in enumerate(model.model.layers):
+        for name in ("q", "k", "v"):
+            if f"{i}.{name}" in scales:
+                getattr(layer.self_attn, f"{name}_scale").copy_(torch.tensor(scales[f"{i}.{name}"]))
+    return model, tok
+
+
+def _load(model_src: str) -> tuple[Any, Any]:
+    """(model, tokenizer); a model without tokenizer files is an error here."""
+    model, tok = _load_any(model_src)
     if tok is None:
         raise ValueError(f"model {model_src!r} has no tokenizer files")
     return model, tok
@@ -298,13 +322,13 @@ def cmd_sft(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     import torch
 
-    from fp8rl.model import export_fp8_block, export_hf, load
+    from fp8rl.model import export_fp8_block, export_hf
 
     cfg = _run_config(args)
     if not cfg.model or not cfg.out:
         raise ValueError("export needs --model and --out (flags or config keys)")
     e, out = cfg.export, Path(cfg.out)
-    model, tok = load(cfg.model)
+    model, tok = _load_any(cfg.model)
     if e.format == "hf":
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[e.dtype]
         export_hf(model, tok, out, dtype=dtype, overwrite=args.overwrite)

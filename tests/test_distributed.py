@@ -207,6 +207,20 @@ def test_two_ranks_train_exactly_what_one_process_trains(tmp_path: Path):
     listed = json.loads((ckpt / "manifest.json").read_text())["files"]
     assert {"optimizer/.metadata", "optimizer/__0_0.distcp", "optimizer/__1_0.distcp"} <= set(listed)
     assert not (ckpt / "optimizer.safetensors").exists()
+    # a one-process export and eval read the trained weights
+    from fp8rl.cli import main
+    from fp8rl.model import load
+
+    assert main(["export", "--model", str(ckpt), "--out", str(tmp_path / "hf"), "--format", "hf"]) == 0
+    exported = load(tmp_path / "hf")[0].state_dict()
+    trained = load_file(ckpt / "model.safetensors")
+    assert all(torch.equal(exported[k], trained[k]) for k in trained)
+    assert main(["eval", "--model", str(ckpt), "--task", "arith", "--n", "4", "--json"]) == 0
+    from fp8rl.cli import _load_any
+
+    model, _ = _load_any(str(ckpt))
+    scales = json.loads((ckpt / "meta.json").read_text())["attention_scales"]
+    assert model.model.layers[1].self_attn.k_scale.tolist() == scales["1.k"] != [1.0] * len(scales["1.k"])
 
 
 def test_a_damaged_optimizer_shard_is_refused(tmp_path: Path):

@@ -57,6 +57,28 @@ def test_rank_groups_deal_each_micro_batch_out_in_contiguous_shares():
         rank_groups(8, 2, 3, World(0, 1))
 
 
+def test_two_real_ranks_with_different_configs_are_refused(tmp_path: Path):
+    """torchrun ranks whose commands differ (here rank 1's learning rate): one line
+    from rank 0, nothing written."""
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(SMALL_RUN.format(flow="jet", backend="cpu", steps=1))
+    launcher = tmp_path / "odd_rank.py"
+    launcher.write_text(
+        "import os, sys\n"
+        "from fp8rl.cli import main\n"
+        "extra = ['--set', 'train.lr=1e-3'] if os.environ['RANK'] == '1' else []\n"
+        "sys.exit(main(sys.argv[1:] + extra))\n"
+    )
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(launcher),
+           "train", "--config", str(cfg), "--out", str(tmp_path / "run"), "--no-progress"]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
+    assert res.returncode != 0
+    said = [line for line in (res.stdout + res.stderr).splitlines() if line.startswith("error:")]
+    assert said == ["error: the resolved config differs between ranks (rank 0 vs rank(s) [1]); every rank must "
+                    "be started with the same command and files"], said
+    assert not (tmp_path / "run").exists()
+
+
 def test_ranks_started_with_different_configs_are_refused(monkeypatch: pytest.MonkeyPatch):
     world = World(0, 3)
     monkeypatch.setattr(World, "gather_objects", lambda self, obj: [obj, obj, obj + " changed"])

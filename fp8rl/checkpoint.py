@@ -251,15 +251,9 @@ def load_checkpoint(
     _check_same_tensors(saved, target, ckpt_dir / "model.safetensors")
     _check_finite(saved, "model", ckpt_dir / "model.safetensors")
 
-    if optimizer is not None and (ckpt_dir / SHARDED_OPTIMIZER).is_dir():
-        with torch.no_grad():
-            for k, t in target.items():
-                t.copy_(saved[k])
-        assert isinstance(model, nn.Module) or optimizer_module is not None
-        load_sharded_optimizer(ckpt_dir / SHARDED_OPTIMIZER, optimizer_module or model, optimizer)
-        return meta
+    sharded = optimizer is not None and (ckpt_dir / SHARDED_OPTIMIZER).is_dir()
     opt_state = None
-    if optimizer is not None:
+    if optimizer is not None and not sharded:
         names = {id(p): n for n, p in model.named_parameters()} if isinstance(model, nn.Module) else {}
         opt_state = _unflatten_optimizer(ckpt_dir, optimizer, names)
 
@@ -268,6 +262,11 @@ def load_checkpoint(
             t.copy_(saved[k])
     if opt_state is not None:
         optimizer.load_state_dict(opt_state)
+    elif sharded:
+        module = optimizer_module or model
+        if not isinstance(module, nn.Module):
+            raise TypeError("sharded optimizer state needs the module its parameters belong to (optimizer_module)")
+        load_sharded_optimizer(ckpt_dir / SHARDED_OPTIMIZER, module, optimizer)
     return meta
 
 

@@ -132,8 +132,6 @@ def _load_any(model_src: str) -> tuple[Any, Any]:
     ckpt = Path(model_src).expanduser()
     if not ((ckpt / "meta.json").is_file() and (ckpt / "model.safetensors").is_file()):
         return load(model_src)
-    import torch
-
     from fp8rl.checkpoint import load_checkpoint
 
     run = json.loads((ckpt / "config.json").read_text(encoding="utf-8"))
@@ -141,11 +139,8 @@ def _load_any(model_src: str) -> tuple[Any, Any]:
         raise ValueError(f"{ckpt / 'config.json'}: not a run config (no 'model'); is {ckpt} a training checkpoint?")
     model, tok = load(run["model"])
     meta = load_checkpoint(ckpt, model)
-    scales = meta.get("attention_scales", {})  # the run's FP8 Q/K/V scales (FP8 KV flows)
-    for i, layer in enumerate(model.model.layers):
-        for name in ("q", "k", "v"):
-            if f"{i}.{name}" in scales:
-                getattr(layer.self_attn, f"{name}_scale").copy_(torch.tensor(scales[f"{i}.{name}"]))
+    if "attention_scales" in meta:  # the run's FP8 Q/K/V scales (FP8 KV flows)
+        model.set_attention_scales(meta["attention_scales"])
     return model, tok
 
 

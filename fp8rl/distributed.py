@@ -178,13 +178,15 @@ def rank_groups(n_groups: int, micro_batches: int, grad_chunks: int, world: Worl
     return [i * g + world.rank * share + j for i in range(micro_batches) for j in range(share)]
 
 
+def group_rows(groups: list[int], group_size: int) -> torch.Tensor:
+    """The global rows [len(groups) * group_size] of prompt groups `groups`, in their order."""
+    return torch.tensor([g * group_size + j for g in groups for j in range(group_size)], dtype=torch.long)
+
+
 def global_row_order(n_groups: int, group_size: int, micro_batches: int, grad_chunks: int, world: World) -> torch.Tensor:
     """`perm` [B] with `perm[k]` = the global row of the k-th row of `world.gather_rows(local)`."""
-    rows = []
-    for r in range(world.size):
-        for grp in rank_groups(n_groups, micro_batches, grad_chunks, World(r, world.size)):
-            rows.extend(range(grp * group_size, (grp + 1) * group_size))
-    return torch.tensor(rows, dtype=torch.long)
+    return torch.cat([group_rows(rank_groups(n_groups, micro_batches, grad_chunks, World(r, world.size)), group_size)
+                      for r in range(world.size)])
 
 
 def gather_global(t: torch.Tensor, perm: torch.Tensor, world: World) -> torch.Tensor:
@@ -201,8 +203,9 @@ class GradientSum:
     """A micro-batch's gradient, summed over gradient chunks and ranks in float64.
 
     `add()` after each chunk's backward moves the FP32 `.grad` of every
-    parameter into a float64 accumulator; `reduce()` sums the accumulators over
-    ranks and writes the FP32 rounding back to `.grad`. `reduce()` returns the
+    parameter into an accumulator (float64 from the second term on: a single
+    term is already its exact sum); `reduce()` sums the accumulators over ranks
+    in float64 and writes the FP32 rounding back to `.grad`. `reduce()` returns the
     number of this rank's float64 additions that were not exact (TwoSum; then
     1 and N ranks may differ in the last bit; 0 in every run measured). The
     cross-rank addition inside gloo's all-reduce is not checked."""
@@ -217,20 +220,20 @@ class GradientSum:
         for i, p in enumerate(self.params):
             if p.grad is None:
                 continue
-            g = p.grad.detach().to(torch.float64)
-            a = self.acc[i]
+            g, a = p.grad.detach(), self.acc[i]
             if a is None:
-                self.acc[i] = g
+                self.acc[i] = g  # one term is its own exact sum: widened only when a second comes
             else:
+                a, g = a.to(torch.float64), g.to(torch.float64)
                 s = a + g
                 self.inexact += int(_two_sum_error(a, g, s).ne(0).sum())
                 self.acc[i] = s
             p.grad = None
 
     def reduce(self) -> int:
-        flat = [a if a is not None else torch.zeros(p.shape, dtype=torch.float64) for a, p in zip(self.acc, self.params)]
+        flat = [a if a is not None else torch.zeros(p.shape, dtype=p.dtype) for a, p in zip(self.acc, self.params)]
         if self.world.size > 1:
-            buf = torch.cat([f.reshape(-1) for f in flat])
+            buf = torch.cat([f.reshape(-1).to(torch.float64) for f in flat])
             self.world.sum_(buf)
             flat = list(torch.split(buf, [f.numel() for f in flat]))
         for p, f in zip(self.params, flat):

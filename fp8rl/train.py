@@ -51,7 +51,15 @@ from fp8rl.checkpoint import (
     save_sharded_optimizer,
 )
 from fp8rl.config import COMMAND_SECTIONS, RunConfig, save_config
-from fp8rl.distributed import GradientSum, ShardedMaster, World, gather_global, global_row_order, rank_groups
+from fp8rl.distributed import (
+    GradientSum,
+    ShardedMaster,
+    World,
+    gather_global,
+    global_row_order,
+    group_rows,
+    rank_groups,
+)
 from fp8rl.evaluate import evaluate
 from fp8rl.fp8 import NonFiniteError
 from fp8rl.runlog import RunLogger, read_metrics, write_summary
@@ -171,6 +179,7 @@ class Trainer:
         # Refused on every rank before anything is loaded or written.
         self.world.check_same(json.dumps(cfg.to_dict(), sort_keys=True), "the resolved config")
         self.my_groups = rank_groups(r.prompts_per_step, t.micro_batches, t.grad_chunks, self.world)
+        self.my_rows = group_rows(self.my_groups, r.group_size)  # global rows of the local rows
         self.row_order = global_row_order(r.prompts_per_step, r.group_size, t.micro_batches, t.grad_chunks, self.world)
         self._check_run_dir(resume)
         if model is None:
@@ -279,18 +288,6 @@ class Trainer:
         tokens, pad_left = left_pad(prompts, self.tokenizer.pad_token_id)
         calibrate(self.model, tokens, pad_left, cfg=self.cfg.calibration)
 
-    def _attention_scales(self) -> dict[str, list[float]]:
-        out: dict[str, list[float]] = {}
-        for i, layer in enumerate(self.model.model.layers):
-            for name in ("q", "k", "v"):
-                out[f"{i}.{name}"] = getattr(layer.self_attn, f"{name}_scale").tolist()
-        return out
-
-    def _set_attention_scales(self, scales: dict[str, list[float]]) -> None:
-        for i, layer in enumerate(self.model.model.layers):
-            for name in ("q", "k", "v"):
-                getattr(layer.self_attn, f"{name}_scale").copy_(torch.tensor(scales[f"{i}.{name}"]))
-
     def _resume(self) -> None:
         """Continue from the last checkpoint; a run killed before its first
         checkpoint starts again from step 0 (the initial policy is the state of
@@ -323,7 +320,7 @@ class Trainer:
             raise TrainingError(f"{e}; {fallback}") from e
         self.bad_steps = int(meta.get("bad_steps", 0))
         self.skipped_steps = int(meta.get("skipped_steps", 0))
-        self._set_attention_scales(scales)
+        self.model.set_attention_scales(scales)
         if self.master:
             self.master.push()
             if full_opt is not None:
@@ -352,7 +349,7 @@ class Trainer:
             "step": self.step,
             "bad_steps": self.bad_steps,
             "skipped_steps": self.skipped_steps,
-            "attention_scales": self._attention_scales(),
+            "attention_scales": self.model.attention_scales(),
             "flow": self.flow.name,
             "config": self.cfg.to_dict(),
         }
@@ -379,8 +376,9 @@ class Trainer:
 
         t0 = time.perf_counter()
         scored = self._score(out)
-        weights, mismatch, is_stats = self._correct(scored, out)
-        opt = self._optimize(out, adv, scored, weights)
+        mask = self._global(out.completion_mask)  # [B, S] the whole step's, one-process order
+        weights, mismatch, is_stats = self._correct(scored, out, mask)
+        opt = self._optimize(out, adv, scored, weights, mask)
         t_train = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -394,11 +392,6 @@ class Trainer:
     def _global(self, local: torch.Tensor) -> torch.Tensor:
         """This rank's rows [b, ...] -> the step's global batch [B, ...], one-process order."""
         return gather_global(local, self.row_order, self.world)
-
-    def _my_rows(self) -> torch.Tensor:
-        """The global row indices of this rank's local rows, in local order."""
-        G = self.cfg.rollout.group_size
-        return torch.tensor([g * G + j for g in self.my_groups for j in range(G)], dtype=torch.long)
 
     def _units(self, micro_batch: int) -> list[range]:
         """Local rows of each of this rank's gradient chunks in `micro_batch`
@@ -416,11 +409,10 @@ class Trainer:
         G = self.cfg.rollout.group_size
         encoded = encode_prompts(self.tokenizer, [p.question for p in problems], self.cfg.system_prompt)
         prompts = [encoded[g] for g in self.my_groups for _ in range(G)]
-        rows = self._my_rows().tolist()
         out = generate(
             self.model, prompts, self.sampling,
             eos_ids=self.tokenizer.eos_token_ids, pad_id=self.tokenizer.pad_token_id,
-            seeds=[sample_seed(self.cfg.seed, self.step, row) for row in rows],
+            seeds=[sample_seed(self.cfg.seed, self.step, row) for row in self.my_rows.tolist()],
             prompt_len=max(len(p) for p in encoded),
         )
         width = self.world.max_int(out.tokens.shape[1])
@@ -463,16 +455,21 @@ class Trainer:
             old_logp = torch.cat([old_logp, rest])
         return Scored(old_logp, logps, entropies, ref_logp)
 
-    def _correct(self, scored: Scored, out: Rollout) -> tuple[torch.Tensor, dict[str, float], dict[str, float]]:
+    def _correct(
+        self, scored: Scored, out: Rollout, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, float], dict[str, float]]:
         """Mismatch metrics and importance weights of the behaviour vs the rollout
-        log-probs, computed on the global batch; the weights [b, S] of this rank's rows."""
+        log-probs, computed on the global batch (`mask` its completion mask); the
+        weights [b, S] of this rank's rows."""
         t = self.cfg.train
-        old, rollout, mask = (self._global(x) for x in (scored.old_logp, out.logprobs, out.completion_mask))
+        old, rollout = self._global(scored.old_logp), self._global(out.logprobs)
         mismatch = mismatch_metrics(old, rollout, mask)
         weights, is_stats = importance_weights(old, rollout, mask, t.correction, cap=t.is_cap, lo=t.is_lo, hi=t.is_hi)
-        return weights[self._my_rows()], mismatch, is_stats
+        return weights[self.my_rows], mismatch, is_stats
 
-    def _optimize(self, out: Rollout, adv: torch.Tensor, scored: Scored, weights: torch.Tensor) -> Optimized:
+    def _optimize(
+        self, out: Rollout, adv: torch.Tensor, scored: Scored, weights: torch.Tensor, mask: torch.Tensor
+    ) -> Optimized:
         """`micro_batches` optimizer steps over consecutive blocks of prompt
         groups, the weights requantized after each. A micro-batch's gradient is
         the float64 sum of its `grad_chunks` chunks' gradients over all ranks,
@@ -482,13 +479,12 @@ class Trainer:
         lr = lr_at(self.cfg, self.step)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
-        mask_global = self._global(out.completion_mask)
         G, P, M = self.cfg.rollout.group_size, self.cfg.rollout.prompts_per_step, t.micro_batches
         rows_per_mb = P // M * G
         res = Optimized(lr, [], [], [], [])
         grads = GradientSum(self.params, self.world)
         for i in range(M):
-            n_tokens = int(mask_global[i * rows_per_mb:(i + 1) * rows_per_mb].sum())
+            n_tokens = int(mask[i * rows_per_mb:(i + 1) * rows_per_mb].sum())
             units = []  # per chunk: (loss, clipped tokens, entropy sum), in local order
             finite = True
             for j, unit in enumerate(self._units(i)):
@@ -557,8 +553,8 @@ class Trainer:
         """Recalibrate the FP8 Q/K/V scales on this step's sequences of all ranks
         (FP8 KV / attention flows)."""
         if self.flow.needs_calibration:
-            gather = self.world.gather_varying if self.world.size > 1 else None
-            calibrate(self.model, out.tokens, out.pad_left, out.cache_len, self.cfg.calibration, gather=gather)
+            calibrate(self.model, out.tokens, out.pad_left, out.cache_len, self.cfg.calibration,
+                      gather=self.world.gather_varying)
 
     def _metrics(
         self, out: Rollout, rewards: torch.Tensor, correct: torch.Tensor, mismatch: dict[str, float],

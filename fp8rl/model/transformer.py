@@ -325,6 +325,17 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
 
+    def attention_scales(self) -> dict[str, list[float]]:
+        """The FP8 Q/K/V scales, ``{"<layer>.<q|k|v>": [per head]}`` (as checkpoints store them)."""
+        return {f"{i}.{name}": getattr(layer.self_attn, f"{name}_scale").tolist()
+                for i, layer in enumerate(self.model.layers) for name in ("q", "k", "v")}
+
+    def set_attention_scales(self, scales: dict[str, list[float]]) -> None:
+        """Set the FP8 Q/K/V scales from ``attention_scales()``'s form."""
+        for i, layer in enumerate(self.model.layers):
+            for name in ("q", "k", "v"):
+                getattr(layer.self_attn, f"{name}_scale").copy_(torch.tensor(scales[f"{i}.{name}"]))
+
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, T, head_dim] for integer positions [B, T] (elementwise, so
         the same position always gets the same bits)."""

@@ -9,6 +9,11 @@ the final weights).
 
     python benchmarks/data_parallel.py                 # 1 vs 2 ranks, 5 steps (about 2 minutes on 2 cores)
     python benchmarks/data_parallel.py --nproc 1,2 --steps 6 --flow jet-kv
+    python benchmarks/data_parallel.py --nproc 1 --grad-chunks 1,2,4   # what the exact chunked sum costs
+
+With several `--grad-chunks`, every (ranks, chunks) pair that splits runs; a run
+is compared bit for bit with the first process count's run of the same chunks
+(different chunk counts are different runs).
 
 JSON on stdout, a table on stderr. Nothing else should run on the machine.
 """
@@ -33,10 +38,11 @@ from fp8rl.fp8.backends import amx_available
 TIMING = {"time_rollout_s", "time_train_s", "time_sync_s", "time_step_s", "rollout_tokens_per_s", "peak_mem_bytes"}
 
 
-def run(nproc: int, steps: int, flow: str, backend: str, out: Path) -> dict:
+def run(nproc: int, chunks: int, steps: int, flow: str, backend: str, out: Path) -> dict:
     cmd = [sys.executable, "-m", "fp8rl", "train", "--config", "configs/default.toml", "--out", str(out),
            "--steps", str(steps), "--flow", flow, "--backend", backend, "--no-progress",
-           "--set", "eval.n=0", "--set", f"checkpoint.every={steps}", "--nproc", str(nproc)]
+           "--set", "eval.n=0", "--set", f"checkpoint.every={steps}", "--set", f"train.grad_chunks={chunks}",
+           "--nproc", str(nproc)]
     env = dict(os.environ)
     if nproc > 1:
         env["OMP_NUM_THREADS"] = "1"  # one core per rank
@@ -46,7 +52,7 @@ def run(nproc: int, steps: int, flow: str, backend: str, out: Path) -> dict:
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     timed = rows[1:]
     mean = lambda k: sum(r[k] for r in timed) / len(timed)  # noqa: E731
-    return {"nproc": nproc, "wall_s": wall, "step_s": mean("time_step_s"), "rollout_s": mean("time_rollout_s"),
+    return {"nproc": nproc, "grad_chunks": chunks, "wall_s": wall, "step_s": mean("time_step_s"), "rollout_s": mean("time_rollout_s"),
             "train_s": mean("time_train_s"), "rows": rows}
 
 
@@ -64,25 +70,33 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--flow", default="jet")
     ap.add_argument("--backend", default="auto")
+    ap.add_argument("--grad-chunks", default="2", help="comma-separated train.grad_chunks values (default config: 2)")
     args = ap.parse_args()
     counts = [int(x) for x in args.nproc.split(",")]
+    chunk_counts = [int(x) for x in args.grad_chunks.split(",")]
+    configs = [(n, c) for c in chunk_counts for n in counts if c % n == 0]
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        for n in counts:
-            results.append(run(n, args.steps, args.flow, args.backend, Path(tmp) / f"n{n}"))
+        out = {(n, c): Path(tmp) / f"n{n}_c{c}" for n, c in configs}
+        for n, c in configs:
+            results.append(run(n, c, args.steps, args.flow, args.backend, out[n, c]))
         base = results[0]
+        first = {}  # chunks -> the run of the first process count
         for r in results:
+            ref = first.setdefault(r["grad_chunks"], r)
             r["speedup"] = base["step_s"] / r["step_s"]
-            r["bitwise_equal_to_first"] = same_run(Path(tmp) / f"n{counts[0]}", Path(tmp) / f"n{r['nproc']}",
-                                                   base["rows"], r["rows"], args.steps)
+            r["bitwise_equal_to_first"] = same_run(out[ref["nproc"], ref["grad_chunks"]], out[r["nproc"], r["grad_chunks"]],
+                                                   ref["rows"], r["rows"], args.steps)
     for r in results:
         del r["rows"]
     report = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "amx": amx_available(),
-              "isa": torch.backends.cpu.get_cpu_capability(), "cores": os.cpu_count(), "torch": torch.__version__, "flow": args.flow, "backend": args.backend,
+              "isa": torch.backends.cpu.get_cpu_capability(), "cores": os.cpu_count(), "torch": torch.__version__,
+              "flow": args.flow, "backend": args.backend,
               "steps_timed": args.steps - 1, "results": results}
-    print(f"{'ranks':>5} {'s/step':>8} {'rollout':>8} {'train':>8} {'speedup':>8} {'bitwise':>8}", file=sys.stderr)
+    print(f"{'ranks':>5} {'chunks':>6} {'s/step':>8} {'rollout':>8} {'train':>8} {'speedup':>8} {'bitwise':>8}",
+          file=sys.stderr)
     for r in results:
-        print(f"{r['nproc']:>5} {r['step_s']:>8.2f} {r['rollout_s']:>8.2f} {r['train_s']:>8.2f} "
+        print(f"{r['nproc']:>5} {r['grad_chunks']:>6} {r['step_s']:>8.2f} {r['rollout_s']:>8.2f} {r['train_s']:>8.2f} "
               f"{r['speedup']:>7.2f}x {str(r['bitwise_equal_to_first']):>8}", file=sys.stderr)
     print(json.dumps(report, indent=2))
 

@@ -24,7 +24,7 @@ BACKEND_HELP = "GEMM backend: auto (choose_backend's pick) or one of {backends}"
 
 # Flags of the top-level config keys (dest = the key); each command takes those it uses.
 TOP_FLAGS: dict[str, dict[str, Any]] = {
-    "model": {"help": "built-in name (tiny-arith, smollm2-135m-instruct), HF folder or .gguf file"},
+    "model": {"help": "built-in name (tiny-arith, tiny-moe, smollm2-135m-instruct), HF folder or .gguf file"},
     "task": {"help": "arith | arith:KEY=VAL,... | gsm8k:PATH | reasoning-gym:NAME"},
     "flow": {"help": "precision preset: {presets}"},
     "backend": {"help": BACKEND_HELP},
@@ -396,7 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     _config_flag(p, "--temperature", "mismatch.temperature", "sampling temperature", d, type=float)
     p.set_defaults(fn=cmd_mismatch)
 
-    p, d = command("sft", help="supervised warm-up; builds the tiny-arith policy",
+    p, d = command("sft", help="supervised warm-up; builds the tiny-arith and tiny-moe policies",
                    description="Supervised fine-tuning on a task's worked solutions. Without a model (no --model, "
                                "no `model` in the config) it builds the built-in tiny policy from scratch "
                                "(tokenizer + model).")

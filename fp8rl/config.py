@@ -122,6 +122,11 @@ class SFTConfig:
     num_heads: int = 4
     num_kv_heads: int = 2
     max_position_embeddings: int = 256
+    # 0: the dense Llama-style policy (tiny-arith); N > 0: a Mixtral-style mixture of
+    # N experts (each `intermediate_size` wide, `num_experts_per_tok` per token) in
+    # every layer (the built-in tiny-moe)
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
 
 
 @dataclass(frozen=True)

@@ -78,13 +78,14 @@ def measure_mismatch(
     calibration: CalibrationConfig = CalibrationConfig(),
 ) -> dict[str, Any]:
     """Sample with the rollout engine, re-score the same tokens with the training
-    forward, and compare: the section-6 mismatch metrics plus `n_tokens` and the
-    sequence-level ones of `sequence_mismatch`.
+    forward, and compare: the section-6 mismatch metrics plus `n_tokens`, the
+    sequence-level ones of `sequence_mismatch` and, for an MoE model,
+    `routing_mismatch`.
     `model` must already be under its precision flow (apply_flow); FP8 Q/K/V
     scales are calibrated here on the prompts, as the trainer does at step 0."""
-    from fp8rl.rl.metrics import mismatch_metrics, sequence_mismatch
+    from fp8rl.rl.metrics import mismatch_metrics, routing_mismatch, sequence_mismatch
     from fp8rl.rollout.calibrate import calibrate
-    from fp8rl.rollout.engine import left_pad, score
+    from fp8rl.rollout.engine import left_pad, routing_record, sampled_routing, score
 
     prompts = encode_prompts(tokenizer, [p.question for p in problems], system_prompt)
     prompts = [p for p in prompts for _ in range(samples)]
@@ -97,10 +98,14 @@ def measure_mismatch(
         model, prompts, params, eos_ids=tokenizer.eos_token_ids, pad_id=tokenizer.pad_token_id,
         seeds=[sample_seed(seed, 0, i) for i in range(len(prompts))],
     )
+    routing = routing_record(model)
     with torch.no_grad():
-        logp_train, _ = score(model, out, params.logprob_temperature)
+        logp_train, _ = score(model, out, params.logprob_temperature, routing=routing)
     metrics = mismatch_metrics(logp_train, out.logprobs, out.completion_mask)
     metrics["n_tokens"] = out.n_tokens
+    if routing is not None:  # an MoE model: did rollout and training choose the same experts?
+        train_routing = sampled_routing(routing, out.tokens.shape[1])
+        metrics["routing_mismatch"] = routing_mismatch(train_routing, out.routing, out.completion_mask)
     metrics.update(sequence_mismatch(logp_train, out.logprobs, out.completion_mask))
     metrics["bitwise_equal"] = bool(torch.equal(logp_train[out.completion_mask], out.logprobs[out.completion_mask]))
     return metrics

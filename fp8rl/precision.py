@@ -246,7 +246,8 @@ def apply_flow(model: nn.Module, flow: PrecisionFlow | str, backend: Backend | s
     (``choose_backend``), a registry name or a Backend. Linears (except
     ``flow.high_precision`` ones) become FP8Linear; every submodule with an
     ``attention_plan`` attribute (the attention layers) gets the flow's
-    AttentionPlan, every one with a ``head_plan`` (the model) its HeadPlan.
+    AttentionPlan, every one with a ``head_plan`` (the model) its HeadPlan,
+    every one with a ``router_backend`` (MoE routers, kept in FP32) the backend.
     The weights are quantized here, once.
     """
     if getattr(model, "flow_plan", None) is not None:
@@ -257,6 +258,8 @@ def apply_flow(model: nn.Module, flow: PrecisionFlow | str, backend: Backend | s
             m.attention_plan = plan.attention
         if hasattr(m, "head_plan"):
             m.head_plan = plan.head
+        if hasattr(m, "router_backend"):  # MoE routers stay FP32, on the backend's invariant product
+            m.router_backend = plan.backend
     refresh_weights(model)
     return plan
 

@@ -55,6 +55,11 @@ def train_tokenizer(texts: Iterator[str], vocab_size: int) -> Any:
 
 
 def tiny_model_config(cfg: SFTConfig, tokenizer: Any) -> ModelConfig:
+    """Llama-style, or Mixtral-style with `cfg.num_experts` experts in every layer."""
+    moe = {}
+    if cfg.num_experts:
+        moe = dict(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                   moe_intermediate_size=cfg.intermediate_size, norm_topk_prob=True)
     return ModelConfig(
         vocab_size=tokenizer.vocab_size,
         hidden_size=cfg.hidden_size,
@@ -63,7 +68,8 @@ def tiny_model_config(cfg: SFTConfig, tokenizer: Any) -> ModelConfig:
         num_heads=cfg.num_heads,
         num_kv_heads=cfg.num_kv_heads,
         head_dim=cfg.hidden_size // cfg.num_heads,
-        architecture="LlamaForCausalLM",
+        architecture="MixtralForCausalLM" if cfg.num_experts else "LlamaForCausalLM",
+        **moe,
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
         max_position_embeddings=cfg.max_position_embeddings,
@@ -156,7 +162,8 @@ def build_tiny_policy(task: Task, cfg: SFTConfig, *, seed: int) -> tuple[Transfo
     with torch.no_grad():  # GPT-2 style init: small normal weights, scaled residual projections
         for name, p in model.named_parameters():
             if p.dim() == 2:
-                std = 0.02 / math.sqrt(2 * cfg.num_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+                residual = name.endswith(("o_proj.weight", "down_proj.weight", ".w2.weight"))  # w2: Mixtral's down
+                std = 0.02 / math.sqrt(2 * cfg.num_layers) if residual else 0.02
                 torch.nn.init.normal_(p, std=std)
     return model, tokenizer
 

@@ -68,9 +68,11 @@ from fp8rl.precision import apply_flow, refresh_weights
 from fp8rl.prompts import encode_prompts
 from fp8rl.rl.correction import importance_weights
 from fp8rl.rl.grpo import group_advantages, masked_mean, policy_loss
-from fp8rl.rl.metrics import METRIC_NAMES, mismatch_metrics
+from fp8rl.rl.metrics import METRIC_NAMES, MISMATCH_METRICS, ROUTING_METRICS, mismatch_metrics, routing_mismatch
 from fp8rl.rollout.calibrate import calibrate
-from fp8rl.rollout.engine import Rollout, SamplingParams, generate, left_pad, sample_seed, score
+from fp8rl.rollout.engine import (
+    Rollout, SamplingParams, generate, left_pad, routing_record, sample_seed, sampled_routing, score,
+)
 from fp8rl.tasks import Problem, Task, make_task
 from fp8rl.tasks.rewards import batch_rewards
 
@@ -138,12 +140,15 @@ class Scored:
     """`_score`'s output (this rank's rows): the behaviour log-probs `old_logp`
     [b, S]; the training forward's own `logp` (carries the graph) and `entropy`
     [rows, S] of each gradient chunk of the first micro-batch, reused by
-    `_optimize`; the KL reference's `ref_logp` [b, S] if any."""
+    `_optimize`; the KL reference's `ref_logp` [b, S] if any; for an MoE model
+    the experts the behaviour forward chose, `routing` [b, S, L, k]
+    (`Rollout.routing`'s form)."""
 
     old_logp: torch.Tensor
     logp: list[torch.Tensor]
     entropy: list[torch.Tensor]
     ref_logp: torch.Tensor | None
+    routing: torch.Tensor | None = None
 
 
 @dataclass
@@ -442,18 +447,23 @@ class Trainer:
         temp = self.sampling.logprob_temperature
         with torch.no_grad():
             ref_logp = score(self.ref_model, out, temp)[0] if self.ref_model is not None else None
-        logps, entropies = [], []
+        logps, entropies, routings = [], [], []
+        S = out.tokens.shape[1]
         for unit in self._units(0):
-            logp, entropy = score(self.model, out.select(unit), temp, with_entropy=True)
+            routing = routing_record(self.model)
+            logp, entropy = score(self.model, out.select(unit), temp, with_entropy=True, routing=routing)
             logps.append(logp)
             entropies.append(entropy)
+            routings.append(sampled_routing(routing, S))
         old_logp = torch.cat([lp.detach() for lp in logps])
         b, first = out.tokens.shape[0], old_logp.shape[0]
         if first < b:
+            routing = routing_record(self.model)
             with torch.no_grad():
-                rest, _ = score(self.model, out.select(range(first, b)), temp)
+                rest, _ = score(self.model, out.select(range(first, b)), temp, routing=routing)
             old_logp = torch.cat([old_logp, rest])
-        return Scored(old_logp, logps, entropies, ref_logp)
+            routings.append(sampled_routing(routing, S))
+        return Scored(old_logp, logps, entropies, ref_logp, None if out.routing is None else torch.cat(routings))
 
     def _correct(
         self, scored: Scored, out: Rollout, mask: torch.Tensor
@@ -464,6 +474,11 @@ class Trainer:
         t = self.cfg.train
         old, rollout = self._global(scored.old_logp), self._global(out.logprobs)
         mismatch = mismatch_metrics(old, rollout, mask)
+        if out.routing is None:
+            mismatch["routing_mismatch"] = 0.0
+        else:  # int32: what every gather backend carries
+            mismatch["routing_mismatch"] = routing_mismatch(
+                self._global(scored.routing.to(torch.int32)), self._global(out.routing.to(torch.int32)), mask)
         weights, is_stats = importance_weights(old, rollout, mask, t.correction, cap=t.is_cap, lo=t.is_lo, hi=t.is_hi)
         return weights[self.my_rows], mismatch, is_stats
 
@@ -565,7 +580,7 @@ class Trainer:
         rewards, correct = self._global(rewards), self._global(correct)
         n_tok = int(mismatch["n_tokens"])
         metrics: dict[str, float] = {
-            **{k: mismatch[k] for k in ("token_mult_prob_error", "max_abs_logprob_diff", "mean_abs_logprob_diff", "gen_kl")},
+            **{k: mismatch[k] for k in MISMATCH_METRICS + ROUTING_METRICS},
             **is_stats,
             "reward_mean": float(rewards.mean()),
             "accuracy": float(correct.mean()),

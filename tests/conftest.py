@@ -104,9 +104,11 @@ def write_hf_checkpoint(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     tokenizer: bool = True,
+    moe: dict[str, Any] | None = None,
 ) -> Path:
     """Write a random tiny checkpoint with transformers' own classes
-    (`arch`: "llama", "qwen2" or "qwen3") and return its folder.
+    (`arch`: "llama", "qwen2", "qwen3", or the MoE "qwen3_moe", "qwen2_moe",
+    "mixtral" with their config keys in `moe`) and return its folder.
 
     Every parameter is randomized, norm weights (1 + 0.1 * randn) and biases
     included, at scales that keep activations O(1), so a wrong norm, bias or
@@ -119,6 +121,9 @@ def write_hf_checkpoint(
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     }
     config_cls, model_cls = classes[arch]
     kwargs: dict[str, Any] = dict(
@@ -140,7 +145,7 @@ def write_hf_checkpoint(
     )
     if arch == "llama":
         kwargs["attention_bias"] = attention_bias
-    config = config_cls(**kwargs)
+    config = config_cls(**kwargs, **(moe or {}))
     torch.manual_seed(seed)
     model = model_cls(config).float()
     with torch.no_grad():
@@ -151,8 +156,8 @@ def write_hf_checkpoint(
                 p.copy_(0.1 * torch.randn_like(p))
             elif "embed_tokens" in name:
                 p.copy_(torch.randn_like(p))
-            else:  # [out, in] matrices: unit-variance outputs
-                p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5)
+            else:  # [out, in] matrices (stacked per expert in transformers 5): unit-variance outputs
+                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
     model = model.to(dtype)
     save_kwargs: dict[str, Any] = {}
     if max_shard_size is not None:

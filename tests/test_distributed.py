@@ -278,6 +278,18 @@ def test_two_ranks_equal_one_process_under_other_flows(tmp_path: Path, flow: str
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("flow", ["jet", "fp8-rollout"])
+def test_two_ranks_train_the_moe_policy_exactly_like_one_process(tmp_path: Path, flow: str):
+    """tiny-moe: routing recorded on each rank, the routing mismatch measured on the
+    gathered batch (0 under jet, non-zero off-policy), the same bits."""
+    train(tmp_path, "one", 1, flow=flow, extra=("--model", "tiny-moe"))
+    train(tmp_path, "two", 2, flow=flow, extra=("--model", "tiny-moe"))
+    assert_same_run(tmp_path / "one", tmp_path / "two", 2)
+    rows = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert all((r["routing_mismatch"] == 0.0) == (flow == "jet") for r in rows), rows
+
+
+@pytest.mark.slow
 def test_resume_at_another_world_size_continues_exactly(tmp_path: Path):
     """1 step on 2 ranks, resumed for the 2nd step on 1 process (and the other
     way round) == 2 uninterrupted steps."""

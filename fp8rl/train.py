@@ -487,9 +487,9 @@ class Trainer:
     ) -> Optimized:
         """`micro_batches` optimizer steps over consecutive blocks of prompt
         groups, the weights requantized after each. A micro-batch's gradient is
-        the float64 sum of its `grad_chunks` chunks' gradients over all ranks,
-        rounded once (`GradientSum`), so it does not depend on which rank
-        computed which chunk."""
+        the float64 sum of its `grad_chunks` chunks' gradients in chunk order,
+        rounded once (`GradientSum`, the running sum passed from rank to rank),
+        so it does not depend on which rank computed which chunk."""
         t = self.cfg.train
         lr = lr_at(self.cfg, self.step)
         for g in self.optimizer.param_groups:
@@ -519,10 +519,7 @@ class Trainer:
                 grads.add()
                 ent_sum = float(torch.where(sub.completion_mask, ent.detach(), 0).double().sum())
                 units.append((float(loss.detach()), stats["n_clipped"], ent_sum))
-            inexact = grads.reduce()
-            if inexact:
-                self.log(f"step {self.step}: {inexact} gradient elements' float64 chunk sums were not exact; "
-                         "runs on different numbers of ranks may differ in their last bit")
+            grads.reduce()
             grad_norm = self._clip_and_step(finite and not self.world.any(not finite))
             refresh_weights(self.model)  # quantize once per optimizer step
             every = [u for rank_units in self.world.gather_objects(units) for u in rank_units]

@@ -99,41 +99,77 @@ def test_global_row_order_puts_gathered_rows_back_in_one_process_order():
     assert gather_global(torch.arange(3), perm, World()).tolist() == [0, 1, 2]  # one process: as is
 
 
-def test_gradient_sum_is_exact_and_independent_of_the_order():
-    """The float64 sum of FP32 group gradients, rounded once, is the same for any
-    order of the groups; a plain FP32 running sum is not (the check can fail)."""
-    torch.manual_seed(0)
-    p = torch.nn.Parameter(torch.zeros(4096))
-    parts = [torch.randn(4096) * 10.0 ** torch.randint(-3, 3, (1,)).item() for _ in range(8)]
+def _gradient_sums(chunks: list[torch.Tensor], world_size: int) -> list[torch.Tensor]:
+    """`GradientSum` of `chunks` (one micro-batch's chunk gradients, in order) on
+    `world_size` ranks run as threads, each with its contiguous share, their
+    point-to-point messages and broadcast through queues. Each rank's `.grad`."""
+    import queue
+    import threading
 
-    def summed(order: list[int]) -> tuple[torch.Tensor, int]:
-        acc = GradientSum([p], World())
-        for i in order:
-            p.grad = parts[i].clone()
+    boxes = {(a, b): queue.Queue() for a in range(world_size) for b in range(world_size)}
+    results: dict[int, torch.Tensor] = {}
+
+    class Relay(World):
+        def send(self, t, dst):
+            boxes[(self.rank, dst)].put(t.clone())
+
+        def recv(self, t, src):
+            return t.copy_(boxes[(src, self.rank)].get(timeout=30))
+
+        def broadcast(self, t, src):
+            if self.rank == src:
+                for r in range(self.size):
+                    if r != src:
+                        boxes[(src, r)].put(t.clone())
+                return t
+            return t.copy_(boxes[(src, self.rank)].get(timeout=30))
+
+    m = len(chunks) // world_size
+
+    def rank(r: int) -> None:
+        p = torch.nn.Parameter(torch.zeros_like(chunks[0]))
+        acc = GradientSum([p], Relay(r, world_size))
+        for g in chunks[r * m : (r + 1) * m]:
+            p.grad = g.clone()
             acc.add()
             assert p.grad is None
-        inexact = acc.reduce()
-        return p.grad.clone(), inexact
+        acc.reduce()
+        results[r] = p.grad
 
-    forward, inexact = summed(list(range(8)))
-    backward, _ = summed(list(reversed(range(8))))
-    assert inexact == 0
-    assert torch.equal(forward, backward)
-    fp32_forward = sum(parts[1:], parts[0].clone())
-    fp32_backward = sum(reversed(parts[:-1]), parts[-1].clone())
-    assert not torch.equal(fp32_forward, fp32_backward)  # why the float64 sum is needed
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return [results[r] for r in range(world_size)]
 
 
-def test_gradient_sum_counts_an_inexact_float64_sum():
-    """Terms 2**60 apart do not fit one float64 (53 bits): counted, not hidden;
-    terms 2**40 apart do."""
-    p = torch.nn.Parameter(torch.zeros(2))
-    acc = GradientSum([p], World())
-    for g in ((2.0**30, 1.0), (2.0**-30, 2.0**-40)):
-        p.grad = torch.tensor(g)
-        acc.add()
-    assert acc.reduce() == 1
-    assert p.grad.tolist() == [2.0**30, 1.0]  # rounded once to FP32
+def test_gradient_sum_is_the_same_on_any_number_of_ranks():
+    """The one-process float64 additions in the one-process order on 1, 2 and 4
+    ranks, including additions that round in float64 (terms 2**60 apart, as an
+    MoE router's unchosen experts give): a sum of per-rank partial sums (what an
+    all-reduce computes) differs there, so the check can fail."""
+    torch.manual_seed(0)
+    chunks = [torch.randn(1000) * 10.0 ** torch.randint(-3, 3, (1,)).item() for _ in range(4)]
+    for c, v in zip(chunks, (1.0, 2.0**-60, -1.0, 2.0**-60)):
+        c[0] = v
+    one = _gradient_sums(chunks, 1)[0]
+    assert one[0] == 2.0**-60  # ((1 + 2**-60) + -1) + 2**-60 in float64
+    for n in (2, 4):
+        assert all(torch.equal(g, one) for g in _gradient_sums(chunks, n)), n
+    partials = (chunks[0].double() + chunks[1].double()) + (chunks[2].double() + chunks[3].double())
+    assert partials[0] == 0.0 and not torch.equal(partials.float(), one)
+    fp32 = sum(chunks[1:], chunks[0].clone())
+    assert not torch.equal(fp32, one)  # why float64: an FP32 running sum rounds more
+
+
+def test_gradient_sum_of_one_term_is_that_term_and_missing_terms_are_zero():
+    p, q = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
+    acc = GradientSum([p, q], World())
+    p.grad = torch.tensor([0.1, -2.5, 3e-30])
+    acc.add()  # q has no gradient (an expert no token chose)
+    acc.reduce()
+    assert p.grad.tolist() == torch.tensor([0.1, -2.5, 3e-30]).tolist() and q.grad.tolist() == [0.0, 0.0]
 
 
 def test_padded_rollout_keeps_its_rows():
@@ -278,12 +314,14 @@ def test_two_ranks_equal_one_process_under_other_flows(tmp_path: Path, flow: str
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flow", ["jet", "fp8-rollout"])
-def test_two_ranks_train_the_moe_policy_exactly_like_one_process(tmp_path: Path, flow: str):
+@pytest.mark.parametrize("flow,chunks", [("jet", 2), ("fp8-rollout", 2), ("jet", 4)])
+def test_two_ranks_train_the_moe_policy_exactly_like_one_process(tmp_path: Path, flow: str, chunks: int):
     """tiny-moe: routing recorded on each rank, the routing mismatch measured on the
-    gathered batch (0 under jet, non-zero off-policy), the same bits."""
-    train(tmp_path, "one", 1, flow=flow, extra=("--model", "tiny-moe"))
-    train(tmp_path, "two", 2, flow=flow, extra=("--model", "tiny-moe"))
+    gathered batch (0 under jet, non-zero off-policy), the same bits; with 4 chunks
+    each rank adds two chunks to the running gradient sum it receives."""
+    extra = ("--model", "tiny-moe", "--set", f"train.grad_chunks={chunks}", "--set", f"rollout.prompts_per_step={2 * chunks}")
+    train(tmp_path, "one", 1, flow=flow, extra=extra)
+    train(tmp_path, "two", 2, flow=flow, extra=extra)
     assert_same_run(tmp_path / "one", tmp_path / "two", 2)
     rows = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     assert all((r["routing_mismatch"] == 0.0) == (flow == "jet") for r in rows), rows

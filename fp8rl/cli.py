@@ -265,12 +265,20 @@ def cmd_mismatch(args: argparse.Namespace) -> int:
     m = cfg.mismatch
     problems = make_task(cfg.task).test_problems(m.prompts)
     model, tok, plan = _load_under_flow(cfg)
+    engine = None
+    if cfg.rollout.engine == "vllm":
+        from fp8rl.rollout.vllm_engine import VLLMEngine, check_engine_supported
+
+        check_engine_supported(plan.flow, model)
+        engine = VLLMEngine(model, tok, model.config.max_position_embeddings, cfg.seed)
     t0 = time.perf_counter()
     res = measure_mismatch(
         model, tok, problems, samples=m.samples, max_new_tokens=m.max_new_tokens,
         temperature=m.temperature, seed=cfg.seed, system_prompt=cfg.system_prompt, calibration=cfg.calibration,
+        engine=engine,
     )
-    res.update(flow=cfg.flow, model=cfg.model, backend=plan.backend.name, seconds=time.perf_counter() - t0)
+    res.update(flow=cfg.flow, model=cfg.model, backend=plan.backend.name, engine=cfg.rollout.engine,
+               seconds=time.perf_counter() - t0)
     human = "\n".join(f"{k:>24}: {v}" for k, v in res.items())
     _emit(args, res, human)
     return 0
@@ -371,6 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
                    description="GRPO training: rollout, reward, PPO update, quantize once, recalibrate.")
     _add_common(p, run_keys, d)
     _config_flag(p, "--steps", "train.steps", "number of RL steps", d, type=int)
+    _config_flag(p, "--engine", "rollout.engine", "who samples the rollouts (vllm: BF16 flows)", d)
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.add_argument("--nproc", type=int, default=1, metavar="N",
@@ -394,6 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
     _config_flag(p, "--samples", "mismatch.samples", "samples per problem", d, type=int)
     _config_flag(p, "--max-new-tokens", "mismatch.max_new_tokens", "generation budget", d, type=int)
     _config_flag(p, "--temperature", "mismatch.temperature", "sampling temperature", d, type=float)
+    _config_flag(p, "--engine", "rollout.engine", "who samples (vllm: BF16 flows)", d)
     p.set_defaults(fn=cmd_mismatch)
 
     p, d = command("sft", help="supervised warm-up; builds the tiny-arith and tiny-moe policies",

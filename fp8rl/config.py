@@ -36,6 +36,9 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    # who samples: "fp8rl" (the built-in engine, every flow) or "vllm" (a vLLM engine in
+    # this process, refit with the policy's weights every step; BF16 flows for now)
+    engine: str = "fp8rl"
 
 
 @dataclass(frozen=True)
@@ -188,6 +191,7 @@ class RunConfig:
 # Keys with a fixed set of values (the CLI gives these to argparse as `choices`).
 # `backend` is checked against the backend registry instead, in `validate`.
 CHOICES: dict[str, tuple[str, ...]] = {
+    "rollout.engine": ("fp8rl", "vllm"),
     "train.lr_schedule": ("constant", "cosine"),
     "train.correction": ("none", "tis", "icepop", "seq-mask-tis"),
     "export.format": ("hf", "fp8-block"),

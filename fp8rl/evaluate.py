@@ -76,8 +76,10 @@ def measure_mismatch(
     seed: int = 0,
     system_prompt: str = "",
     calibration: CalibrationConfig = CalibrationConfig(),
+    engine: Any = None,
 ) -> dict[str, Any]:
-    """Sample with the rollout engine, re-score the same tokens with the training
+    """Sample with the rollout engine (fp8rl's, or `engine`: a VLLMEngine on the same
+    weights), re-score the same tokens with the training
     forward, and compare: the section-6 mismatch metrics plus `n_tokens`, the
     sequence-level ones of `sequence_mismatch` and, for an MoE model,
     `routing_mismatch`.
@@ -94,10 +96,9 @@ def measure_mismatch(
         tokens, pad_left = left_pad(prompts, tokenizer.pad_token_id)
         calibrate(model, tokens, pad_left, cfg=calibration)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
-    out = generate(
-        model, prompts, params, eos_ids=tokenizer.eos_token_ids, pad_id=tokenizer.pad_token_id,
-        seeds=[sample_seed(seed, 0, i) for i in range(len(prompts))],
-    )
+    kw = dict(eos_ids=tokenizer.eos_token_ids, pad_id=tokenizer.pad_token_id,
+              seeds=[sample_seed(seed, 0, i) for i in range(len(prompts))])
+    out = engine.generate(prompts, params, **kw) if engine is not None else generate(model, prompts, params, **kw)
     routing = routing_record(model)
     with torch.no_grad():
         logp_train, _ = score(model, out, params.logprob_temperature, routing=routing)

@@ -73,6 +73,7 @@ from fp8rl.rollout.calibrate import calibrate
 from fp8rl.rollout.engine import (
     Rollout, SamplingParams, generate, left_pad, routing_record, sample_seed, sampled_routing, score,
 )
+from fp8rl.rollout.vllm_engine import VLLMEngine, check_engine_supported
 from fp8rl.tasks import Problem, Task, make_task
 from fp8rl.tasks.rewards import batch_rewards
 
@@ -163,6 +164,18 @@ class Optimized:
     entropies: list[float]
 
 
+def _with_defaults(saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved run config with the keys added to fp8rl since filled with their
+    defaults (as the run used them), so that a newer fp8rl continues an older run.
+    A config that no longer parses is compared as it is (and then differs)."""
+    from fp8rl.config import from_dict
+
+    try:
+        return json.loads(json.dumps(from_dict(saved).to_dict()))
+    except (ValueError, TypeError):
+        return saved
+
+
 class Trainer:
     """Owns the model, optimizer, task stream and run directory of one GRPO run."""
 
@@ -198,6 +211,8 @@ class Trainer:
         self.plan = apply_flow(model, cfg.flow, backend=cfg.backend)
         self.flow = self.plan.flow
         self.backend = self.plan.backend.name
+        if r.engine == "vllm":  # refused before anything is written
+            check_engine_supported(self.flow, model, self.world.size)
         self.sampling = SamplingParams(
             max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k
         )
@@ -220,6 +235,9 @@ class Trainer:
         if resume:
             self._resume()
         self.stream = self._problem_stream(self.step)
+        # vLLM samples the rollouts: started on the current weights, refit before every rollout.
+        self.engine = VLLMEngine(model, tokenizer, model.config.max_position_embeddings, cfg.seed) if (
+            r.engine == "vllm") else None
         # only now that model and task loaded: a failed start leaves no stale run behind
         self.world.barrier()  # every rank has checked the run directory before rank 0 writes to it
         if self.world.is_main:
@@ -243,6 +261,7 @@ class Trainer:
             if not isinstance(saved, dict):
                 raise TrainingError(f"{cfg_path}: expected a JSON object; this is not a run fp8rl can continue")
             mine = json.loads(json.dumps(self.cfg.to_dict()))  # tuples -> lists, as saved
+            saved = _with_defaults(saved)
             # The step budget may grow on resume; the other commands' sections never
             # change a run (and runs saved before a section existed lack it); the run
             # is the directory, however `out` spells it (relative, absolute, moved).
@@ -414,12 +433,14 @@ class Trainer:
         G = self.cfg.rollout.group_size
         encoded = encode_prompts(self.tokenizer, [p.question for p in problems], self.cfg.system_prompt)
         prompts = [encoded[g] for g in self.my_groups for _ in range(G)]
-        out = generate(
-            self.model, prompts, self.sampling,
-            eos_ids=self.tokenizer.eos_token_ids, pad_id=self.tokenizer.pad_token_id,
-            seeds=[sample_seed(self.cfg.seed, self.step, row) for row in self.my_rows.tolist()],
-            prompt_len=max(len(p) for p in encoded),
-        )
+        kw = dict(eos_ids=self.tokenizer.eos_token_ids, pad_id=self.tokenizer.pad_token_id,
+                  seeds=[sample_seed(self.cfg.seed, self.step, row) for row in self.my_rows.tolist()],
+                  prompt_len=max(len(p) for p in encoded), decode=self.tokenizer.decode)
+        if self.engine is not None:
+            self.engine.refit(self.model)  # this step's weights, audited
+            out = self.engine.generate(prompts, self.sampling, **kw)
+        else:
+            out = generate(self.model, prompts, self.sampling, **kw)
         width = self.world.max_int(out.tokens.shape[1])
         return out if width == out.tokens.shape[1] else out.padded_to(width, self.tokenizer.pad_token_id)
 

@@ -357,3 +357,21 @@ def test_tiled_attention_product_gradients():
     b = torch.randn(2, 3, 8, 21, dtype=torch.float64, generator=g, requires_grad=True)
     assert torch.autograd.gradcheck(fb._bmm_tiled, (a, b))
     assert torch.equal(fb._bmm_tiled(a, b).detach(), fb._bmm_tiled(a.detach(), b.detach()))
+
+
+@pytest.mark.parametrize("name", list(BACKENDS))
+@pytest.mark.parametrize("k", [128, 576, 200])
+@pytest.mark.parametrize("scale_fmt", ["fp32", "ue8m0"])
+def test_fp8_linear_is_quantize_then_fp8_matmul(name: str, k: int, scale_fmt: str):
+    """A backend may fuse a linear's activation quantization into its GEMM (cpu and
+    amx do: `quantize_dequantize`), but the bits must be those of `quantize` then
+    `fp8_matmul`, the path the dgrad and the reference take."""
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(37, k, generator=g) * torch.exp2(torch.randint(-12, 12, (37, 1), generator=g).float())
+    x[3] = 0.0  # an all-zero row: the amax floor
+    x[5, :7] = 1e-6  # tiny values in an otherwise ordinary row: E4M3 subnormals
+    w = quantize(torch.randn(48, k, generator=g), (128, 128), scale_fmt=scale_fmt)
+    backend = BACKENDS[name]
+    fused = backend.fp8_linear(x, w, scale_fmt, "x")
+    plain = backend.fp8_matmul(quantize(x, (1, 128), scale_fmt=scale_fmt), w, torch.float32)
+    assert torch.equal(fused, plain)

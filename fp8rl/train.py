@@ -50,7 +50,7 @@ from fp8rl.checkpoint import (
     save_checkpoint,
     save_sharded_optimizer,
 )
-from fp8rl.config import COMMAND_SECTIONS, RunConfig, save_config
+from fp8rl.config import COMMAND_SECTIONS, RunConfig, from_dict, save_config
 from fp8rl.distributed import (
     GradientSum,
     ShardedMaster,
@@ -164,14 +164,17 @@ class Optimized:
     entropies: list[float]
 
 
+def _as_saved(cfg: RunConfig) -> dict[str, Any]:
+    """`cfg` as its config.json holds it (tuples become lists)."""
+    return json.loads(json.dumps(cfg.to_dict()))
+
+
 def _with_defaults(saved: dict[str, Any]) -> dict[str, Any]:
     """A saved run config with the keys added to fp8rl since filled with their
     defaults (as the run used them), so that a newer fp8rl continues an older run.
     A config that no longer parses is compared as it is (and then differs)."""
-    from fp8rl.config import from_dict
-
     try:
-        return json.loads(json.dumps(from_dict(saved).to_dict()))
+        return _as_saved(from_dict(saved))
     except (ValueError, TypeError):
         return saved
 
@@ -260,8 +263,7 @@ class Trainer:
                 raise TrainingError(f"{cfg_path}: invalid JSON ({e}); this is not a run fp8rl can continue") from e
             if not isinstance(saved, dict):
                 raise TrainingError(f"{cfg_path}: expected a JSON object; this is not a run fp8rl can continue")
-            mine = json.loads(json.dumps(self.cfg.to_dict()))  # tuples -> lists, as saved
-            saved = _with_defaults(saved)
+            mine, saved = _as_saved(self.cfg), _with_defaults(saved)
             # The step budget may grow on resume; the other commands' sections never
             # change a run (and runs saved before a section existed lack it); the run
             # is the directory, however `out` spells it (relative, absolute, moved).
@@ -469,21 +471,23 @@ class Trainer:
         with torch.no_grad():
             ref_logp = score(self.ref_model, out, temp)[0] if self.ref_model is not None else None
         logps, entropies, routings = [], [], []
-        S = out.tokens.shape[1]
+
+        def scored(rows, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+            routing = routing_record(self.model)  # MoE: the experts this forward chose
+            logp, entropy = score(self.model, out.select(rows), temp, with_entropy=with_entropy, routing=routing)
+            routings.append(sampled_routing(routing, out.tokens.shape[1]))
+            return logp, entropy
+
         for unit in self._units(0):
-            routing = routing_record(self.model)
-            logp, entropy = score(self.model, out.select(unit), temp, with_entropy=True, routing=routing)
+            logp, entropy = scored(unit, with_entropy=True)
             logps.append(logp)
             entropies.append(entropy)
-            routings.append(sampled_routing(routing, S))
         old_logp = torch.cat([lp.detach() for lp in logps])
         b, first = out.tokens.shape[0], old_logp.shape[0]
         if first < b:
-            routing = routing_record(self.model)
             with torch.no_grad():
-                rest, _ = score(self.model, out.select(range(first, b)), temp, routing=routing)
+                rest, _ = scored(range(first, b), with_entropy=False)
             old_logp = torch.cat([old_logp, rest])
-            routings.append(sampled_routing(routing, S))
         return Scored(old_logp, logps, entropies, ref_logp, None if out.routing is None else torch.cat(routings))
 
     def _correct(

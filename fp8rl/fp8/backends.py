@@ -76,20 +76,32 @@ _MIN_ROWS = 16
 _NATIVE_ROWS = 128
 
 
-def _k_blocks(x: torch.Tensor, bk: int, s: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """FP32 contiguous ``[rows, bk]`` slices of ``x`` along K, each times its per-row scale."""
+def _k_blocks(x: torch.Tensor, bk: int, s: torch.Tensor | None = None, copy: bool = True) -> list[torch.Tensor]:
+    """FP32 ``[rows, bk]`` slices of ``x`` along K, each times its per-row scale;
+    contiguous copies, or (``copy=False``, no scales) views of ``x``: an operand used
+    once (a backward GEMM's) is read in place, the transposed layout left to BLAS."""
     n = -(-x.shape[1] // bk)
     if s is None:
-        return [x[:, j * bk : (j + 1) * bk].contiguous() for j in range(n)]
+        return [x[:, j * bk : (j + 1) * bk].contiguous() if copy else x[:, j * bk : (j + 1) * bk] for j in range(n)]
     return [x[:, j * bk : (j + 1) * bk] * s[:, j, None] for j in range(n)]
 
 
-def _accumulate_tile(a: torch.Tensor, b_blocks: list[torch.Tensor], bk: int, sa: torch.Tensor | None) -> torch.Tensor:
-    """One call per K block, in K order: ``sum_kb (a_kb * sa_kb) @ b_kb.T`` in FP32."""
-    out = torch.zeros(a.shape[0], b_blocks[0].shape[0], dtype=torch.float32, device=a.device)
+def _accumulate_tile(a: torch.Tensor, b_blocks: list[torch.Tensor], bk: int) -> torch.Tensor:
+    """One BLAS call per K block, in K order: FP32 ``sum_kb a_kb @ b_kb.T``.
+
+    a: FP32 ``[M, K]`` (one call per K block on all its rows) or ``[tiles, rows, K]``
+    (one batched call per K block: every tile is its own GEMM of ``rows`` rows, which
+    costs one call instead of one per tile); b_blocks: ``_k_blocks`` ``[N, <=bk]``."""
+    if a.dim() == 3 and a.shape[0] == 1:
+        return _accumulate_tile(a[0], b_blocks, bk)[None]
+    out = None
     for j, b_blk in enumerate(b_blocks):
-        ks = slice(j * bk, (j + 1) * bk)
-        out.addmm_(a[:, ks] if sa is None else a[:, ks] * sa[:, j, None], b_blk.T)
+        x, w = a[..., j * bk : (j + 1) * bk], b_blk.T
+        if a.dim() == 3:
+            w = w.expand(a.shape[0], *w.shape)
+            out = torch.bmm(x, w) if out is None else out.baddbmm_(x, w)
+        else:
+            out = x @ w if out is None else out.addmm_(x, w)
     return out
 
 
@@ -109,17 +121,14 @@ def _accumulate_k_blocks(
     shape: with MKL here rows of an M <= 5 product differed in the last bits
     from the same rows inside a larger batch, and with MKL limited to AVX2 a
     row's position in a 128-row call mattered. So calls get exactly the row
-    counts of ``_fp32_row_tiles`` (measured per shape), and each call's K is
-    ``bk`` (full-K FP32 GEMMs were not invariant: MKL splits long K across
-    threads). ``invariant=False``: one call per K block on all rows.
+    counts of ``_fp32_row_tiles`` (measured per shape; all tiles of a long input
+    in one batched call where measured to give each tile's own bits), and each
+    call's K is ``bk`` (full-K FP32 GEMMs were not invariant: MKL splits long K
+    across threads). ``invariant=False``: one call per K block on all rows.
     """
-    k = a.shape[1]
-    if sa is not None:  # the per-row scales ride along as extra columns (padding rows: 0 x 0)
-        a = torch.cat([a, sa.float()], dim=1)
-
-    def gemm(rows: torch.Tensor) -> torch.Tensor:
-        return _accumulate_tile(rows[:, :k], b_blocks, bk, rows[:, k:] if sa is not None else None)
-
+    if sa is not None:  # a_kb * sa_kb, elementwise as the product of the block would be
+        a = a * sa.float().repeat_interleave(bk, dim=1)[:, : a.shape[1]]
+    gemm = functools.partial(_accumulate_tile, b_blocks=b_blocks, bk=bk)
     if not invariant:
         return gemm(a)
     return _tiled_rows(a, _fp32_row_tiles(bk, b_blocks[0].shape[0]), gemm)
@@ -235,10 +244,13 @@ class RowTiles:
     """Rows per GEMM call that keep each row's result independent of the batch:
     ``big`` for long inputs (cut into calls of exactly that many rows, the last
     zero-padded), ``small`` for an input that fits (a decode step), measured to
-    compute the same bits as ``big``."""
+    compute the same bits as ``big``. ``batched``: the GEMM takes all tiles of
+    a long input in one call (a leading tile dimension) and was measured to
+    compute each tile's own bits there."""
 
     big: int
     small: int
+    batched: bool = False  # a long input's tiles in one call of the GEMM (``[tiles, rows, K]``)
 
 
 _TILE_CANDIDATES = (128, 64, 32, 16)
@@ -295,11 +307,20 @@ def _native_row_tiles(k: int, n: int) -> RowTiles:
 @functools.lru_cache(maxsize=None)
 def _fp32_row_tiles(bk: int, n: int) -> RowTiles:
     """``_measure_row_tiles`` of ``_accumulate_tile`` (one ``bk``-wide K block,
-    ``n`` outputs), measured once per shape on this CPU."""
+    ``n`` outputs), measured once per shape on this CPU, ``batched`` where three
+    tiles in one batched call compute what each computes alone."""
     g = torch.Generator().manual_seed(bk * 100_003 + n)
     blocks = [order_sensitive_cols(n, bk, g)]
-    a = order_sensitive_rows(192, bk, g)
-    return _measure_row_tiles(lambda x: _accumulate_tile(x, blocks, bk, None), a) or _FALLBACK_TILES
+    a = order_sensitive_rows(3 * _NATIVE_ROWS, bk, g)
+    gemm = functools.partial(_accumulate_tile, b_blocks=blocks, bk=bk)
+    tiles = _measure_row_tiles(gemm, a[:192])
+    if tiles is None:
+        return _FALLBACK_TILES
+    batched = all(
+        torch.equal(gemm(a[: 3 * t].view(3, t, bk)), torch.stack([gemm(a[i * t : (i + 1) * t]) for i in range(3)]))
+        for t in {tiles.small, tiles.big}
+    )
+    return RowTiles(tiles.big, tiles.small, batched)
 
 
 def _tiled_rows(
@@ -307,12 +328,17 @@ def _tiled_rows(
 ) -> torch.Tensor:
     """``gemm`` over the rows (dim -2) of ``a`` in calls of exactly ``tiles.small``
     rows (an input that fits) or ``tiles.big`` rows, zero-padded; the result in
-    ``out_dtype`` (default: ``gemm``'s), each tile written once into it."""
+    ``out_dtype`` (default: ``gemm``'s). ``tiles.batched``: one call on
+    ``[..., tiles, rows, K]``; else one call per tile, each written once into the result."""
     m = a.shape[-2]
     tile = tiles.small if m <= tiles.small else tiles.big
     pad = -m % tile
     if pad:
         a = torch.cat([a, a.new_zeros(*a.shape[:-2], pad, a.shape[-1])], dim=-2)
+    if tiles.batched:
+        out = gemm(a.unflatten(-2, (-1, tile))).flatten(-3, -2)
+        out = out[..., :m, :] if pad else out
+        return out if out_dtype is None else out.to(out_dtype)
     first = gemm(a[..., :tile, :])
     if a.shape[-2] == tile:
         out = first[..., :m, :] if pad else first
@@ -423,9 +449,10 @@ class Backend:
         Default, the emulation of ``reference`` and ``cpu``: BF16-rounded operands
         (exact products in FP32), FP32 accumulation per ``bk``-wide K block like the
         FP8 GEMM, hence the same batch invariance."""
-        if "fp32_blocks" not in cache:
-            cache["fp32_blocks"] = _k_blocks(b.bfloat16().float(), self.bk)
-        return _accumulate_k_blocks(a.bfloat16().float(), cache["fp32_blocks"], self.bk, invariant=invariant)
+        key = "fp32_blocks" if invariant else "fp32_block_views"  # the forward's own layout, as measured
+        if key not in cache:
+            cache[key] = _k_blocks(b.bfloat16().float(), self.bk, copy=invariant)
+        return _accumulate_k_blocks(a.bfloat16().float(), cache[key], self.bk, invariant=invariant)
 
     def head_logits(self, h: torch.Tensor, w: torch.Tensor, cache: dict) -> torch.Tensor:
         """LM-head logits ``h [N, D] @ w [V, D].T`` on BF16 operands -> FP32, batch-invariant."""

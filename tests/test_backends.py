@@ -321,7 +321,7 @@ def test_batch_invariance_check_passes_the_registry_and_catches_broken_backends(
 @pytest.mark.parametrize("kind", ["native", "fp32"])
 def test_row_tiles_are_measured_and_keep_rows_independent_of_the_batch(kind: str):
     """GEMMs run on row tiles measured on this CPU (a big one for long inputs,
-    a small one for a decode step, equal in their bits): any slice of rows,
+    smaller ones for a decode step's running rows, equal in their bits): any slice of rows,
     alone or inside a long input, computes the same bits, and the measurement
     rejects tiles that would not (checked against a deliberately unmeasured
     choice: every smaller candidate it skipped really differs)."""
@@ -336,9 +336,10 @@ def test_row_tiles_are_measured_and_keep_rows_independent_of_the_batch(kind: str
         else:
             tiles = fb._fp32_row_tiles(128, n)
             run = lambda rows: bf16_matmul(rows, w, "cpu")  # noqa: E731
-        assert tiles.big in fb._TILE_CANDIDATES and tiles.small <= tiles.big
+        assert tiles.big in fb._TILE_CANDIDATES and set(tiles.sizes) <= set(fb._TILE_CANDIDATES)
         full = run(x)
-        for lo, hi in [(0, 1), (3, 19), (40, 40 + tiles.small), (7, 7 + tiles.big), (200, 3 * _NATIVE_ROWS)]:
+        spans = [(0, 1), (3, 19), (200, 3 * _NATIVE_ROWS)] + [(40, 40 + t) for t in tiles.sizes] + [(9, 9 + t - 3) for t in tiles.sizes]
+        for lo, hi in spans:
             assert torch.equal(run(x[lo:hi]), full[lo:hi]), (kind, k, n, lo, hi)
 
 

@@ -153,6 +153,36 @@ def test_same_seed_same_sample_regardless_of_batch():
     assert other.completion_ids != full.completion_ids
 
 
+@pytest.mark.parametrize("flow", ["jet", "jet-kv"])
+def test_finished_rows_leave_the_batch_and_change_nothing(flow: str, monkeypatch):
+    """Once at most half of the running rows are live, the finished ones leave the
+    decode batch (KV rows, generators): every row still samples what it samples
+    alone, and rollout == training bit for bit on the fast backend. Many EOS ids
+    make most rows stop within a few tokens while some run to the end."""
+    model = tiny_model(qk_norm=True)
+    apply_flow(model, PRESETS[flow], backend="cpu")
+    refresh_weights(model)
+    ps = prompts(n=24, seed=3)
+    if PRESETS[flow].needs_calibration:
+        calibrate(model, *left_pad(ps, 0))
+    kept: list[int] = []
+    keep_rows = KVCache.keep_rows
+    monkeypatch.setattr(KVCache, "keep_rows", lambda self, rows: (kept.append(len(rows)), keep_rows(self, rows)))
+    params = SamplingParams(max_new_tokens=20)
+    eos = list(range(1, 16))
+    out = generate(model, ps, params, eos_ids=eos, pad_id=0, seeds=list(range(len(ps))))
+    lengths = out.completion_mask.sum(1)
+    assert kept and kept[-1] < 6 and int(lengths.min()) < 4 and int(lengths.max()) == 20, (kept, lengths)
+    monkeypatch.setattr(KVCache, "keep_rows", keep_rows)
+    for b in (int(lengths.argmax()), int(lengths.argmin()), 7):
+        alone = generate(model, ps[b : b + 1], params, eos_ids=eos, pad_id=0, seeds=[b])
+        assert alone.completion_ids[0] == out.completion_ids[b]
+        assert torch.equal(alone.logprobs[0][alone.completion_mask[0]], out.logprobs[b][out.completion_mask[b]])
+    with torch.no_grad():
+        logp, _ = score(model, out)
+    assert torch.equal(logp[out.completion_mask], out.logprobs[out.completion_mask])
+
+
 def test_greedy_equals_top_k_1_and_eos_stops():
     model = tiny_model()
     greedy = rollout(model, temperature=0.0)

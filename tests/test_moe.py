@@ -199,11 +199,11 @@ def test_router_invariance_is_probed():
     assert batch_invariance_failures(BACKENDS["cpu"], model) == []
 
 
-def _rollout_and_score(model: Transformer, n: int = 16, max_new_tokens: int = 32):
+def _rollout_and_score(model: Transformer, n: int = 16, max_new_tokens: int = 32, eos_ids: tuple[int, ...] = (1,)):
     prompts = [[(7 * i + j) % 90 + 2 for j in range(3 + i % 5)] for i in range(n)]
     if model.flow_plan.flow.needs_calibration:
         calibrate(model, *left_pad(prompts, 0))
-    out = generate(model, prompts, SamplingParams(max_new_tokens=max_new_tokens), eos_ids=[1], pad_id=0,
+    out = generate(model, prompts, SamplingParams(max_new_tokens=max_new_tokens), eos_ids=list(eos_ids), pad_id=0,
                    seeds=list(range(n)))
     record = routing_record(model)
     with torch.no_grad():
@@ -217,8 +217,10 @@ def test_unified_flows_route_identically(flow, arch):
     extra = {"shared_expert_intermediate_size": 48, "norm_topk_prob": False} if arch == "Qwen2MoeForCausalLM" else {}
     model = _tiny_moe(arch, **extra)
     apply_flow(model, flow, "cpu")
-    out, logp, routing = _rollout_and_score(model)
+    # many EOS ids: most rows finish early and leave the decode batch (their routing too)
+    out, logp, routing = _rollout_and_score(model, eos_ids=tuple(range(1, 8)))
     mask = out.completion_mask
+    assert mask.sum(1).min() < 8 and mask.sum(1).max() == 32
     assert out.routing.shape == (*out.tokens.shape, 2, 2) and out.routing.dtype == torch.int16
     assert torch.equal(routing[mask], out.routing[mask])  # the same experts for every sampled token
     assert routing_mismatch(routing, out.routing, mask) == 0.0

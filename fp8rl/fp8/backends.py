@@ -176,10 +176,10 @@ def _attention_tiles(k: int, n: int) -> RowTiles:
     b = order_sensitive_cols(4 * n, k, g).view(4, n, k).transpose(1, 2)
     tiles = _measure_row_tiles(lambda rows: rows @ b[: rows.shape[0]], a, (128, 64, 32, 16, 8))
     if tiles is None:
-        return RowTiles(_MIN_ROWS, _MIN_ROWS)
-    for t in {tiles.small, tiles.big}:
+        return RowTiles((_MIN_ROWS,))
+    for t in tiles.sizes:
         if not torch.equal(a[:2, :t] @ b[:2], (a[:, :t] @ b)[:2]):  # 2 vs 4 matrices per call
-            return RowTiles(_MIN_ROWS, _MIN_ROWS)
+            return RowTiles((_MIN_ROWS,))
     return tiles
 
 
@@ -242,15 +242,27 @@ def _row_gemm(w: torch.Tensor, cache: dict):
 @dataclass(frozen=True)
 class RowTiles:
     """Rows per GEMM call that keep each row's result independent of the batch:
-    ``big`` for long inputs (cut into calls of exactly that many rows, the last
-    zero-padded), ``small`` for an input that fits (a decode step), measured to
-    compute the same bits as ``big``. ``batched``: the GEMM takes all tiles of
-    a long input in one call (a leading tile dimension) and was measured to
+    ``sizes`` (ascending) were each measured to compute the same bits as the
+    largest, ``big``, which long inputs are cut into (the last call zero-padded);
+    an input of at most ``big`` rows takes the smallest size that holds it (a
+    decode step: its running rows). ``batched``: the GEMM takes all tiles of a
+    long input in one call (a leading tile dimension) and was measured to
     compute each tile's own bits there."""
 
-    big: int
-    small: int
+    sizes: tuple[int, ...]
     batched: bool = False  # a long input's tiles in one call of the GEMM (``[tiles, rows, K]``)
+
+    @property
+    def big(self) -> int:
+        return self.sizes[-1]
+
+    @property
+    def small(self) -> int:
+        return self.sizes[0]
+
+    def tile_for(self, rows: int) -> int:
+        """The call size for an input of ``rows`` rows."""
+        return next((t for t in self.sizes if t >= rows), self.big)
 
 
 _TILE_CANDIDATES = (128, 64, 32, 16)
@@ -268,9 +280,9 @@ def _measure_row_tiles(
     neither on its position in the call nor on the other rows (zero padding
     included): with MKL limited to AVX2 and two threads, rows in the second
     half of a 128-row call summed differently from the same rows in the first
-    half. ``big``: the largest usable tile (fewest calls); ``small``: the
-    smallest usable tile whose rows equal ``big``'s (oneDNN's kernel for
-    <= 32 rows sums in another order than for more rows at K = 576 here).
+    half. ``big``: the largest usable tile (fewest calls); ``sizes``: the
+    usable tiles whose rows equal ``big``'s (oneDNN's kernel for <= 32 rows
+    sums in another order than for more rows at K = 576 here).
     None when no tile is usable."""
     usable = {}
     for t in candidates:
@@ -286,13 +298,12 @@ def _measure_row_tiles(
     if not usable:
         return None
     big = max(usable)
-    small = min(t for t in usable if torch.equal(usable[t], usable[big][..., :t, :]))
-    return RowTiles(big, small)
+    return RowTiles(tuple(sorted(t for t in usable if torch.equal(usable[t], usable[big][..., :t, :]))))
 
 
 # Where no tile is usable, calls still get this fixed shape, and
 # batch_invariance_failures reports the backend.
-_FALLBACK_TILES = RowTiles(_NATIVE_ROWS, _NATIVE_ROWS)
+_FALLBACK_TILES = RowTiles((_NATIVE_ROWS,))
 
 
 @functools.lru_cache(maxsize=None)
@@ -318,20 +329,20 @@ def _fp32_row_tiles(bk: int, n: int) -> RowTiles:
         return _FALLBACK_TILES
     batched = all(
         torch.equal(gemm(a[: 3 * t].view(3, t, bk)), torch.stack([gemm(a[i * t : (i + 1) * t]) for i in range(3)]))
-        for t in {tiles.small, tiles.big}
+        for t in tiles.sizes
     )
-    return RowTiles(tiles.big, tiles.small, batched)
+    return RowTiles(tiles.sizes, batched)
 
 
 def _tiled_rows(
     a: torch.Tensor, tiles: RowTiles, gemm: Callable[[torch.Tensor], torch.Tensor], out_dtype: torch.dtype | None = None
 ) -> torch.Tensor:
-    """``gemm`` over the rows (dim -2) of ``a`` in calls of exactly ``tiles.small``
-    rows (an input that fits) or ``tiles.big`` rows, zero-padded; the result in
+    """``gemm`` over the rows (dim -2) of ``a`` in calls of exactly ``tiles.tile_for``
+    rows (an input that fits one) or ``tiles.big`` rows, zero-padded; the result in
     ``out_dtype`` (default: ``gemm``'s). ``tiles.batched``: one call on
     ``[..., tiles, rows, K]``; else one call per tile, each written once into the result."""
     m = a.shape[-2]
-    tile = tiles.small if m <= tiles.small else tiles.big
+    tile = tiles.tile_for(m)
     pad = -m % tile
     if pad:
         a = torch.cat([a, a.new_zeros(*a.shape[:-2], pad, a.shape[-1])], dim=-2)

@@ -122,6 +122,14 @@ def routing_record(model: Transformer) -> dict[int, list[torch.Tensor]] | None:
     return {} if model.config.num_experts else None
 
 
+def _widen_routing(record: dict[int, list[torch.Tensor]], rows: torch.Tensor, batch: int) -> None:
+    """Make the last call's routing of every MoE layer, Long [R, T, k] for the running
+    ``rows``, a grid-wide [batch, T, k] (rows not running: -1)."""
+    for calls in record.values():
+        last = calls[-1]
+        calls[-1] = last.new_full((batch, *last.shape[1:]), -1).index_copy_(0, rows, last)
+
+
 def sampled_routing(record: dict[int, list[torch.Tensor]] | None, width: int) -> torch.Tensor | None:
     """A filled routing record -> `Rollout.routing`'s form, ShortTensor[B, width, L, k]:
     column s gets the experts of position s - 1 (the one whose logits sampled
@@ -259,31 +267,44 @@ def generate(
     cache = KVCache.for_model(model, B, L)
     routing = routing_record(model)  # MoE: the experts chosen at every fed position
 
+    # The running batch: `rows` are the grid rows still decoded, in order. Once at most half
+    # of them are live, the finished ones leave (their KV rows, generators, pad offsets):
+    # the backends are batch-invariant, so a live row's bits do not depend on who else is
+    # in the batch, and the later steps cost what the live rows need.
+    rows = torch.arange(B, device=device)
     with phase(model, "rollout"):
         logits = model(tokens[:, :P], make_context(pad_left, 0, P, L, cache, routing=routing), n_last=1)[:, -1]
         steps = 0
         for t in range(params.max_new_tokens):
             col = P + t
-            tok, lp = sample_next(logits, params, generators)
-            tok = torch.where(done, torch.full_like(tok, pad_id), tok)
-            live = ~done
-            tokens[:, col] = tok
-            logprobs[:, col] = torch.where(live, lp, torch.zeros_like(lp))
-            mask[:, col] = live
+            tok, lp = sample_next(logits, params, generators)  # [R] for the running rows
+            live = ~done[rows]
+            tok = torch.where(live, tok, torch.full_like(tok, pad_id))
+            tokens[rows, col] = tok
+            logprobs[rows, col] = torch.where(live, lp, torch.zeros_like(lp))
+            mask[rows, col] = live
             steps = t + 1
             finished = live & torch.isin(tok, eos)
-            for b in finished.nonzero().flatten().tolist():
-                reasons[b] = "stop"
+            for i in finished.nonzero().flatten().tolist():
+                reasons[int(rows[i])] = "stop"
             if params.stop_strings:
-                for b in (live & ~finished).nonzero().flatten().tolist():
+                for i in (live & ~finished).nonzero().flatten().tolist():
+                    b = int(rows[i])
                     text = decode(tokens[b, P : col + 1][mask[b, P : col + 1]].tolist())
                     if any(s in text for s in params.stop_strings):
-                        finished[b] = True
+                        finished[i] = True
                         reasons[b] = "stop"
-            done |= finished
+            done[rows] |= finished
             if bool(done.all()) or t == params.max_new_tokens - 1:
                 break
-            logits = model(tok[:, None], make_context(pad_left, col, 1, L, cache, routing=routing))[:, -1]
+            running = (~done[rows]).nonzero().flatten()
+            if 2 * len(running) <= len(rows):
+                rows, tok = rows[running], tok[running]
+                generators = [generators[i] for i in running.tolist()]
+                cache.keep_rows(running)
+            logits = model(tok[:, None], make_context(pad_left[rows], col, 1, L, cache, routing=routing))[:, -1]
+            if routing is not None and len(rows) < B:
+                _widen_routing(routing, rows, B)
 
     S = P + steps
     tokens, logprobs, mask = tokens[:, :S], logprobs[:, :S], mask[:, :S]

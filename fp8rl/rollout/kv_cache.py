@@ -75,6 +75,13 @@ class KVCache:
         self.v[layer][:, :, start : start + T] = vf
         return self.k[layer], self.v[layer]
 
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only the batch rows ``rows`` (LongTensor, in their new order): finished
+        sequences leave a running decode."""
+        self.k = [k.index_select(0, rows) for k in self.k]
+        self.v = [v.index_select(0, rows) for v in self.v]
+        self.shape = (len(rows), *self.shape[1:])
+
     @property
     def nbytes(self) -> int:
         """Bytes of the cache in its stored format: data plus scales."""

@@ -1,0 +1,77 @@
+"""One decode step's cost against the number of running rows: arithmetic or per-call overhead?
+
+Loads a built-in policy under a flow, prefills a batch of random prompts into a
+KV cache, then times single-token decode forwards (the engine's `generate` step
+without sampling) at each batch size and counts the torch calls one of them
+makes (views included). If the time barely falls with the rows, the step is
+per-call overhead, not arithmetic.
+
+    python benchmarks/decode_step.py                                   # tiny-arith, jet, 128/64/16/4 rows
+    python benchmarks/decode_step.py --model smollm2-135m-instruct --flow bf16 --rows 16,4
+
+Prints one JSON object on stdout and a table on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from fp8rl.model.load import load
+from fp8rl.model.transformer import make_context
+from fp8rl.precision import apply_flow, refresh_weights
+from fp8rl.rollout.engine import phase
+from fp8rl.rollout.kv_cache import KVCache
+
+
+def time_decode(model, rows: int, prompt_len: int, cache_len: int, repeats: int) -> dict:
+    """Mean seconds of one decode forward over ``rows`` rows, and its torch call count."""
+    cache = KVCache.for_model(model, rows, cache_len)
+    pad_left = torch.zeros(rows, dtype=torch.long)
+    g = torch.Generator().manual_seed(rows)
+    prompt = torch.randint(2, model.config.vocab_size, (rows, prompt_len), generator=g)
+    token = torch.randint(2, model.config.vocab_size, (rows, 1), generator=g)
+    with torch.no_grad(), phase(model, "rollout"):
+        model(prompt, make_context(pad_left, 0, prompt_len, cache_len, cache), n_last=1)
+        for i in range(3):  # warm-up: tile measurements, allocator
+            model(token, make_context(pad_left, prompt_len + i, 1, cache_len, cache))
+        start = time.perf_counter()
+        for i in range(repeats):
+            model(token, make_context(pad_left, prompt_len + 3 + i, 1, cache_len, cache))
+        seconds = (time.perf_counter() - start) / repeats
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            model(token, make_context(pad_left, prompt_len + 3 + repeats, 1, cache_len, cache))
+    calls = sum(e.count for e in prof.key_averages())
+    return {"rows": rows, "ms_per_step": seconds * 1e3, "torch_calls": calls}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny-arith")
+    ap.add_argument("--flow", default="jet")
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--rows", default="128,64,16,4")
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=20)
+    args = ap.parse_args()
+    model, _ = load(args.model)
+    backend = apply_flow(model, args.flow, args.backend).backend
+    refresh_weights(model)
+    cache_len = (args.prompt_len + 3 + args.repeats + 1 + 15) // 16 * 16
+    results = [time_decode(model, int(r), args.prompt_len, cache_len, args.repeats) for r in args.rows.split(",")]
+    print(json.dumps({"model": args.model, "flow": args.flow, "backend": backend.name,
+                      "threads": torch.get_num_threads(), "results": results}, indent=2))
+    print(f"{args.model}, flow {args.flow}, backend {backend.name}, {torch.get_num_threads()} threads", file=sys.stderr)
+    print(f"{'rows':>6}{'ms/step':>10}{'torch calls':>13}", file=sys.stderr)
+    for r in results:
+        print(f"{r['rows']:>6}{r['ms_per_step']:>10.2f}{r['torch_calls']:>13}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -328,6 +328,30 @@ def test_two_ranks_train_the_moe_policy_exactly_like_one_process(tmp_path: Path,
 
 
 @pytest.mark.slow
+def test_two_nodes_with_a_c10d_rendezvous_train_what_one_process_trains(tmp_path: Path):
+    """The several-machines launch of docs/scaling.md, as two torchrun agents on this
+    machine (`--nnodes 2`, one rank each, a c10d rendezvous on a free local port): the
+    same run, bit for bit, as one process."""
+    import socket
+
+    train(tmp_path, "one", 1)
+    cfg = tmp_path / "nodes.toml"
+    cfg.write_text(SMALL_RUN.format(flow="jet-kv", backend="cpu", steps=2))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
+             "-m", "fp8rl", "train", "--config", str(cfg), "--out", str(tmp_path / "nodes"), "--no-progress"]
+    nodes = [subprocess.Popen(agent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+             for _ in range(2)]
+    outs = [node.communicate(timeout=600) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], [err[-2000:] for _, err in outs]
+    assert any("2 data-parallel ranks" in out for out, _ in outs)
+    assert_same_run(tmp_path / "one", tmp_path / "nodes", 2)
+
+
+@pytest.mark.slow
 def test_resume_at_another_world_size_continues_exactly(tmp_path: Path):
     """1 step on 2 ranks, resumed for the 2nd step on 1 process (and the other
     way round) == 2 uninterrupted steps."""

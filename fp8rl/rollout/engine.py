@@ -294,10 +294,11 @@ def generate(
                     if any(s in text for s in params.stop_strings):
                         finished[i] = True
                         reasons[b] = "stop"
-            done[rows] |= finished
-            if bool(done.all()) or t == params.max_new_tokens - 1:
+            still = live & ~finished
+            done[rows] = ~still
+            if not bool(still.any()) or t == params.max_new_tokens - 1:
                 break
-            running = (~done[rows]).nonzero().flatten()
+            running = still.nonzero().flatten()
             if 2 * len(running) <= len(rows):
                 rows, tok = rows[running], tok[running]
                 generators = [generators[i] for i in running.tolist()]

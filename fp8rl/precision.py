@@ -34,7 +34,7 @@ from typing import Iterator
 import torch.nn as nn
 
 from fp8rl.fp8.backends import BACKENDS, Backend, get_backend, resolve_backend
-from fp8rl.fp8.formats import SCALE_FORMATS
+from fp8rl.fp8.formats import AMAX_FLOORS, SCALE_FORMATS
 from fp8rl.fp8.linear import FP8Linear, LinearPlan
 
 PHASES: tuple[str, ...] = ("train", "rollout")
@@ -59,6 +59,10 @@ class PrecisionFlow:
     grad_transport: "bf16" | "fp8", dtype of activation gradients between ops
     kv_cache, attention: "bf16" | "fp8"
     scale_fmt: "fp32" | "ue8m0"
+    quantizer: whose convention the FP8 linears' input quantization follows:
+        "fp8rl" (amax floor 1e-4) or "vllm" (2**-9: vLLM's activation quantizer,
+        bit for bit; fp32 scales only), for a rollout engine that quantizes
+        activations itself (formats.AMAX_FLOORS)
     high_precision: substrings of module names kept in BF16 (never converted)
     """
 
@@ -71,12 +75,19 @@ class PrecisionFlow:
     kv_cache: str = "bf16"
     attention: str = "bf16"
     scale_fmt: str = "fp32"
+    quantizer: str = "fp8rl"
     high_precision: tuple[str, ...] = field(default=("embed_tokens", "lm_head", "norm"))
 
     def __post_init__(self) -> None:
         for f in PRECISION_FIELDS:
             _check_choice(f, getattr(self, f), PRECISIONS)
         _check_choice("scale_fmt", self.scale_fmt, SCALE_FORMATS)
+        _check_choice("quantizer", self.quantizer, tuple(AMAX_FLOORS))
+        if self.quantizer == "vllm" and self.scale_fmt != "fp32":
+            raise ValueError(
+                "PrecisionFlow.quantizer 'vllm' needs scale_fmt 'fp32': vLLM's UE8M0 activation scales are "
+                "rounded up before its floor, which no amax floor reproduces"
+            )
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"PrecisionFlow.name must be a non-empty string, got {self.name!r}")
         hp = self.high_precision
@@ -181,7 +192,8 @@ def resolve_plan(flow: PrecisionFlow, backend: Backend | str) -> FlowPlan:
     fprop = {"rollout": flow.rollout_linear, "train": flow.train_fprop}
     forms = frozenset((flow.rollout_linear, flow.train_fprop, flow.train_dgrad))
     linear = {
-        ph: LinearPlan(fprop[ph], flow.train_dgrad, flow.train_wgrad, flow.grad_transport, flow.scale_fmt, b, forms)
+        ph: LinearPlan(fprop[ph], flow.train_dgrad, flow.train_wgrad, flow.grad_transport, flow.scale_fmt, b, forms,
+                       AMAX_FLOORS[flow.quantizer])
         for ph in PHASES
     }
     attention = AttentionPlan(flow.kv_cache, "fp8" if flow.attention == "fp8" else "bf16", b)

@@ -99,11 +99,12 @@ def test_cached_decoding_matches_full_forward_under_flows(flow: str):
     assert (logp - out.logprobs)[m].abs().max() < 1e-4
 
 
-def mismatch_for(flow: str, backend: str = "reference", hidden: int = 128) -> dict:
+def mismatch_for(flow: str | PrecisionFlow, backend: str = "reference", hidden: int = 128) -> dict:
+    flow = PRESETS[flow] if isinstance(flow, str) else flow
     model = tiny_model(hidden=hidden, qk_norm=True)
-    apply_flow(model, PRESETS[flow], backend=backend)
+    apply_flow(model, flow, backend=backend)
     refresh_weights(model)
-    if PRESETS[flow].needs_calibration:
+    if flow.needs_calibration:
         tokens, pad_left = left_pad(prompts(), 0)
         calibrate(model, tokens, pad_left)
     out = rollout(model, max_new=24)
@@ -121,6 +122,20 @@ def test_unified_flows_rollout_equals_training_forward(flow: str):
     assert res["token_mult_prob_error"] <= 1.0005
     # the design goal, reached on the reference backend: identical bits
     assert res["bitwise"], res
+
+
+def test_vllm_quantizer_convention_keeps_rollout_equal_to_training(monkeypatch):
+    """quantizer "vllm" (vLLM's activation amax floor, 2**-9) reaches every FP8
+    forward's input quantization (the `cpu` backend's fused quantizer is watched),
+    in the rollout and in the training forward alike, so they stay bitwise equal."""
+    from fp8rl.fp8 import backends
+
+    floors = []
+    real = backends.quantize_dequantize
+    monkeypatch.setattr(backends, "quantize_dequantize", lambda *a: (floors.append(a[4]), real(*a))[1])
+    res = mismatch_for(PRESETS["jet-kv"].replace(name="jet-kv-vllm", quantizer="vllm"), "cpu")
+    assert res["bitwise"], res
+    assert floors and set(floors) == {2.0**-9}
 
 
 def test_fp8_rollout_flow_is_off_policy():

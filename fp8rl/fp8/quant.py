@@ -4,6 +4,7 @@ A tensor ``x`` of shape ``[..., M, K]`` is cut, over its last two dims, into
 blocks of ``(bm, bk)`` elements; every block gets one FP32 scale:
 
     amax  = max(|x|) over the block's real elements, then max(amax, 1e-4)
+            (the floor is a parameter: 2**-9 follows vLLM, formats.AMAX_FLOORS)
     scale = amax / fmax                      (FP32; fmax = 448 for E4M3)
     scale = 2 ** ceil(log2(scale))           (only for scale_fmt="ue8m0")
     q     = clamp(x / scale, -fmax, fmax).to(fp8)
@@ -123,11 +124,13 @@ def quantize(
     fmt: str = "e4m3",
     scale_fmt: str = "fp32",
     name: str = "tensor",
+    amax_floor: float = AMAX_FLOOR,
 ) -> QTensor:
     """Quantize ``x`` ``[..., M, K]`` block-wise to FP8 (see module docstring).
 
     ``name`` names the tensor in the error raised when ``x`` holds NaN or Inf
-    (a non-finite value would otherwise poison its block's scale silently).
+    (a non-finite value would otherwise poison its block's scale silently);
+    ``amax_floor`` is the smallest amax a block is scaled for.
     Returns a QTensor with ``data`` ``[..., M, K]`` and ``scale``
     ``[..., ceil(M/bm), ceil(K/bk)]``.
     """
@@ -142,12 +145,12 @@ def quantize(
 
     *lead, m, k = x.shape
     if bm == 1 and k % bk == 0:
-        return _quantize_rows(x, bk, f, scale_fmt, name)
+        return _quantize_rows(x, bk, f, scale_fmt, name, amax_floor)
     if bm == 1 and k % bk:
         # Row blocks with a ragged last column block (SmolLM2's 576 = 4.5 x 128):
         # zero-pad to whole blocks and quantize in one region instead of two.
         # Bitwise the same: zeros never raise max|x| and quantize to zero.
-        padded = quantize(torch.nn.functional.pad(x, (0, -k % bk)), block, fmt, scale_fmt, name)
+        padded = quantize(torch.nn.functional.pad(x, (0, -k % bk)), block, fmt, scale_fmt, name, amax_floor)
         return QTensor(padded.data[..., :k], padded.scale, (bm, bk), fmt, scale_fmt)
     x32 = x.float()
     q = torch.empty(x.shape, dtype=f.dtype, device=x.device)
@@ -162,7 +165,7 @@ def quantize(
             amax = torch.maximum(xb.amax(dim=(-3, -1)), xb.amin(dim=(-3, -1)).neg())
             if not torch.isfinite(amax).all():
                 raise NonFiniteError(f"quantize: tensor {name!r} contains NaN or Inf")
-            s = amax.clamp_min(AMAX_FLOOR) / f.max
+            s = amax.clamp_min(amax_floor) / f.max
             if scale_fmt == "ue8m0":
                 s = _ue8m0(s)
             scale[..., r0 // bm : -(-r1 // bm), c0 // bk : -(-c1 // bk)] = s
@@ -171,23 +174,23 @@ def quantize(
     return QTensor(q, scale, (bm, bk), fmt, scale_fmt)
 
 
-def _row_block_scales(xb: torch.Tensor, fmax: float, scale_fmt: str, name: str) -> torch.Tensor:
+def _row_block_scales(xb: torch.Tensor, fmax: float, scale_fmt: str, name: str, amax_floor: float) -> torch.Tensor:
     """FP32 scales ``[..., M, K/bk, 1]`` of the row blocks of ``xb`` ``[..., M, K/bk, bk]``:
-    ``max(amax, AMAX_FLOOR) / fmax`` (ue8m0: rounded up to a power of two);
+    ``max(amax, amax_floor) / fmax`` (ue8m0: rounded up to a power of two);
     NonFiniteError naming the tensor if it holds NaN or Inf."""
     amax = xb.abs().amax(dim=-1, keepdim=True)
     if not bool((amax < float("inf")).all()):  # False for NaN and Inf
         raise NonFiniteError(f"quantize: tensor {name!r} contains NaN or Inf")
-    s = amax.clamp_min_(AMAX_FLOOR).div_(fmax)
+    s = amax.clamp_min_(amax_floor).div_(fmax)
     return _ue8m0(s) if scale_fmt == "ue8m0" else s
 
 
-def _quantize_rows(x: torch.Tensor, bk: int, f, scale_fmt: str, name: str) -> QTensor:
+def _quantize_rows(x: torch.Tensor, bk: int, f, scale_fmt: str, name: str, amax_floor: float) -> QTensor:
     """``quantize`` for ``(1, bk)`` blocks when ``bk`` divides K: the same
     arithmetic as the general path (bitwise), in about a third of the torch
     calls (what a decode step's many small activations pay for)."""
     xb = x.float().unflatten(-1, (-1, bk))  # [..., M, K/bk, bk]
-    s = _row_block_scales(xb, f.max, scale_fmt, name)
+    s = _row_block_scales(xb, f.max, scale_fmt, name, amax_floor)
     q = _scaled(xb, s, f.max).to(f.dtype).flatten(-2)
     return QTensor(q, s[..., 0], (1, bk), f.name, scale_fmt)
 
@@ -197,8 +200,10 @@ _EXPONENT_BITS = 0x7F800000
 _E4M3_MIN_NORMAL_EXP = (127 - 6) << 23  # exponent field of 2**-6, E4M3's smallest normal
 
 
-def quantize_dequantize(x: torch.Tensor, bk: int = 128, scale_fmt: str = "fp32", name: str = "tensor") -> torch.Tensor:
-    """``dequantize(quantize(x, (1, bk), "e4m3", scale_fmt))`` as FP32 ``[..., M, K]``,
+def quantize_dequantize(
+    x: torch.Tensor, bk: int = 128, scale_fmt: str = "fp32", name: str = "tensor", amax_floor: float = AMAX_FLOOR
+) -> torch.Tensor:
+    """``dequantize(quantize(x, (1, bk), "e4m3", scale_fmt, amax_floor=amax_floor))`` as FP32 ``[..., M, K]``,
     bit for bit (up to the sign of zero), without storing FP8.
 
     For backends whose GEMM multiplies dequantized values (no FP8 arithmetic on
@@ -221,7 +226,7 @@ def quantize_dequantize(x: torch.Tensor, bk: int = 128, scale_fmt: str = "fp32",
     if k % bk:
         x32 = torch.nn.functional.pad(x32, (0, -k % bk))  # zeros never raise a block's amax
     xb = x32.unflatten(-1, (-1, bk))  # [..., M, K/bk, bk]
-    s = _row_block_scales(xb, E4M3.max, scale_fmt, name)
+    s = _row_block_scales(xb, E4M3.max, scale_fmt, name, amax_floor)
     y = _scaled(xb, s, E4M3.max)
     exponent = y.view(torch.int32).bitwise_and(_EXPONENT_BITS).clamp_min_(_E4M3_MIN_NORMAL_EXP)
     magic = exponent.add_((20 << 23) | (1 << 22)).view(torch.float32)  # 1.5 * 2**(e+20)

@@ -214,6 +214,11 @@ def gather_global(t: torch.Tensor, perm: torch.Tensor, world: World) -> torch.Te
     return out
 
 
+# Elements of the float64 running sum in flight at once during `GradientSum.reduce`
+# (32 MiB): what bounds the reduction's extra memory, whatever the model's size.
+REDUCE_PIECE = 1 << 22
+
+
 class GradientSum:
     """A micro-batch's gradient: its chunks' FP32 gradients summed in chunk order in
     float64 (the first term kept as it is: one term is its own sum), rounded once
@@ -223,17 +228,25 @@ class GradientSum:
     ranks, rank r holds chunks [r*m, (r+1)*m) of the micro-batch (`rank_groups`);
     `reduce()` passes the running float64 sum along the ranks: rank r receives the
     sum of the chunks before its own from rank r-1, adds its own in order, sends
-    the sum on, and the last rank's total is broadcast. Every addition is the
-    one-process addition, in its order, so the result does not depend on N even
-    where a float64 addition rounds (terms spanning more than 2**29, as the
-    gradients of a mixture-of-experts router's unchosen experts can). A rank r > 0
-    keeps its m chunks' FP32 gradients until the running sum arrives (m = 1 when
-    N = grad_chunks: one, as one process holds)."""
+    the sum on, and the last rank rounds the total to FP32 and broadcasts it.
+    Every addition is the one-process addition, in its order, so the result does
+    not depend on N even where a float64 addition rounds (terms spanning more than
+    2**29, as the gradients of a mixture-of-experts router's unchosen experts
+    can). The flat gradient travels in pieces of at most `piece` elements, one
+    after another (additions are elementwise, so pieces change no bits): a rank
+    holds one float64 piece at a time, never a float64 copy of the whole
+    gradient, except rank 0 (and one process), which sums its own chunks as they
+    come, in float64 once it has two. A rank r > 0 keeps its m chunks' FP32
+    gradients until the running sum arrives (m = 1 when N = grad_chunks: one, as
+    one process holds)."""
 
-    def __init__(self, params: list[nn.Parameter], world: World) -> None:
+    def __init__(self, params: list[nn.Parameter], world: World, piece: int = REDUCE_PIECE) -> None:
+        if len({p.dtype for p in params}) > 1:
+            raise ValueError(f"GradientSum needs parameters of one dtype, got {sorted({str(p.dtype) for p in params})}")
         self.params = params
         self.world = world
-        self.acc: list[torch.Tensor | None] = [None] * len(params)  # running sum (FP32 until a second term)
+        self.piece = piece
+        self.acc: list[torch.Tensor | None] = [None] * len(params)  # rank 0: running sum (FP32 until a second term)
         self.pending: list[list[torch.Tensor | None]] = []  # rank > 0: its chunks, until the running sum arrives
 
     def add(self) -> None:
@@ -242,38 +255,62 @@ class GradientSum:
         for p in self.params:
             p.grad = None
         if self.world.rank == 0:
-            self._accumulate(grads)
+            for i, g in enumerate(grads):
+                if g is not None:  # no gradient (an expert no token chose): a zero term
+                    a = self.acc[i]
+                    self.acc[i] = g if a is None else a.to(torch.float64) + g.to(torch.float64)
         else:
             self.pending.append(grads)
 
-    def _accumulate(self, grads: list[torch.Tensor | None]) -> None:
-        for i, g in enumerate(grads):
-            if g is not None:  # no gradient (an expert no token chose): a zero term
-                a = self.acc[i]
-                self.acc[i] = g if a is None else a.to(torch.float64) + g.to(torch.float64)
+    def _pieces(self) -> list[list[tuple[int, int, int]]]:
+        """The flat gradient cut into pieces of at most `piece` elements: per piece,
+        its (parameter index, start, stop) segments of the flattened parameters."""
+        pieces: list[list[tuple[int, int, int]]] = [[]]
+        room = self.piece
+        for i, p in enumerate(self.params):
+            start, n = 0, p.numel()
+            while start < n:
+                if room == 0:
+                    pieces.append([])
+                    room = self.piece
+                stop = min(n, start + room)
+                pieces[-1].append((i, start, stop))
+                room -= stop - start
+                start = stop
+        return pieces
 
     def reduce(self) -> None:
         """Every rank's `.grad` := the micro-batch's summed gradient, in FP32."""
         w = self.world
-        if w.size > 1:
-            sizes = [p.numel() for p in self.params]
+        if w.size == 1:
+            for p, a in zip(self.params, self.acc):
+                p.grad = torch.zeros_like(p) if a is None else a.reshape(p.shape).to(p.dtype)
+            self.acc = [None] * len(self.params)
+            return
+        out = [torch.empty_like(p) for p in self.params]
+        for segments in self._pieces():
+            sizes = [stop - start for _, start, stop in segments]
             running = torch.zeros(sum(sizes), dtype=torch.float64)
-            if w.rank > 0:
+            parts = running.split(sizes)
+            if w.rank == 0:
+                for (i, start, stop), part in zip(segments, parts):
+                    if self.acc[i] is not None:
+                        part.copy_(self.acc[i].reshape(-1)[start:stop])  # exact: FP32 and float64 alike
+            else:
                 w.recv(running, w.rank - 1)
-                self.acc = [part.view(p.shape) for part, p in zip(running.split(sizes), self.params)]
                 for grads in self.pending:
-                    self._accumulate(grads)
-                self.pending = []
-            for a, part in zip(self.acc, running.split(sizes)):
-                if a is not None:
-                    part.copy_(a.reshape(-1))  # exact: FP32 and float64 values alike
+                    for (i, start, stop), part in zip(segments, parts):
+                        if grads[i] is not None:
+                            part.add_(grads[i].reshape(-1)[start:stop].to(torch.float64))
             if w.rank < w.size - 1:
                 w.send(running, w.rank + 1)
-            w.broadcast(running, w.size - 1)
-            self.acc = [part.view(p.shape) for part, p in zip(running.split(sizes), self.params)]
-        for p, a in zip(self.params, self.acc):
-            p.grad = torch.zeros_like(p) if a is None else a.reshape(p.shape).to(p.dtype)
+            total = w.broadcast(running.to(self.params[0].dtype), w.size - 1)  # rounded once, on the last rank
+            for (i, start, stop), part in zip(segments, total.split(sizes)):
+                out[i].view(-1)[start:stop].copy_(part)
+        for p, g in zip(self.params, out):
+            p.grad = g
         self.acc = [None] * len(self.params)
+        self.pending = []
 
 
 class ShardedMaster:

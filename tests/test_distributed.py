@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from fp8rl.checkpoint import checkpoint_path
-from fp8rl.distributed import DistributedError, GradientSum, World, gather_global, global_row_order, rank_groups
+from fp8rl.distributed import REDUCE_PIECE, DistributedError, GradientSum, World, gather_global, global_row_order, rank_groups
 from fp8rl.rollout.engine import Rollout
 
 # Metrics that are measurements of the machine, not of the run.
@@ -99,10 +99,12 @@ def test_global_row_order_puts_gathered_rows_back_in_one_process_order():
     assert gather_global(torch.arange(3), perm, World()).tolist() == [0, 1, 2]  # one process: as is
 
 
-def _gradient_sums(chunks: list[torch.Tensor], world_size: int) -> list[torch.Tensor]:
+def _gradient_sums(chunks: list[torch.Tensor], world_size: int, piece: int = REDUCE_PIECE) -> list[torch.Tensor]:
     """`GradientSum` of `chunks` (one micro-batch's chunk gradients, in order) on
     `world_size` ranks run as threads, each with its contiguous share, their
-    point-to-point messages and broadcast through queues. Each rank's `.grad`."""
+    point-to-point messages and broadcast through queues, the gradient split over
+    two parameters (the first 600 elements and the rest) and reduced in pieces of
+    `piece` elements. Each rank's gradient, flattened."""
     import queue
     import threading
 
@@ -127,14 +129,15 @@ def _gradient_sums(chunks: list[torch.Tensor], world_size: int) -> list[torch.Te
     m = len(chunks) // world_size
 
     def rank(r: int) -> None:
-        p = torch.nn.Parameter(torch.zeros_like(chunks[0]))
-        acc = GradientSum([p], Relay(r, world_size))
+        ps = [torch.nn.Parameter(torch.zeros(600)), torch.nn.Parameter(torch.zeros(chunks[0].numel() - 600))]
+        acc = GradientSum(ps, Relay(r, world_size), piece)
         for g in chunks[r * m : (r + 1) * m]:
-            p.grad = g.clone()
+            for p, part in zip(ps, g.split([600, g.numel() - 600])):
+                p.grad = part.clone()
             acc.add()
-            assert p.grad is None
+            assert all(p.grad is None for p in ps)
         acc.reduce()
-        results[r] = p.grad
+        results[r] = torch.cat([p.grad for p in ps])
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(world_size)]
     for t in threads:
@@ -156,7 +159,8 @@ def test_gradient_sum_is_the_same_on_any_number_of_ranks():
     one = _gradient_sums(chunks, 1)[0]
     assert one[0] == 2.0**-60  # ((1 + 2**-60) + -1) + 2**-60 in float64
     for n in (2, 4):
-        assert all(torch.equal(g, one) for g in _gradient_sums(chunks, n)), n
+        for piece in (REDUCE_PIECE, 1000, 600, 7):  # one piece; piece = a parameter; pieces across both
+            assert all(torch.equal(g, one) for g in _gradient_sums(chunks, n, piece)), (n, piece)
     partials = (chunks[0].double() + chunks[1].double()) + (chunks[2].double() + chunks[3].double())
     assert partials[0] == 0.0 and not torch.equal(partials.float(), one)
     fp32 = sum(chunks[1:], chunks[0].clone())

@@ -13,7 +13,7 @@ median of three. vLLM runs BF16 flows only (docs/design.md section 5).
 Needs an environment with both fp8rl and vLLM (`.ci/vllm` builds one; the
 commands are in docs/design.md section 5):
 
-    python benchmarks/vllm_engine.py                                   # tiny-arith and SmolLM2-135M
+    python benchmarks/vllm_engine.py --json report.json               # tiny-arith and SmolLM2-135M
     python benchmarks/vllm_engine.py --models tiny-arith --batch 64 --max-new-tokens 48
 """
 
@@ -25,6 +25,7 @@ import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -52,6 +53,7 @@ def main() -> int:
     ap.add_argument("--flows", default="bf16,jet,jet-kv", help="fp8rl engine flows (vLLM runs bf16)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--json", help="write the report here (vLLM logs to stdout too)")
     args = ap.parse_args()
 
     from fp8rl.fp8.backends import choose_backend
@@ -105,7 +107,10 @@ def main() -> int:
     report = {"cpu": _cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
               "vllm": vllm.__version__, "batch": args.batch, "max_new_tokens": args.max_new_tokens,
               "results": results}
-    print(json.dumps(report, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    else:
+        print(json.dumps(report, indent=2))
     print(f"\n{report['cpu']}, {report['threads']} threads, {args.batch} x {args.max_new_tokens} tokens", file=sys.stderr)
     print(f"{'model':<24}{'engine':<8}{'flow':<8}{'tok/s':>9}{'vs vLLM':>9}{'refit s':>10}{'audit s':>9}", file=sys.stderr)
     for r in results:

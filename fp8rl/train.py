@@ -215,7 +215,7 @@ class Trainer:
         self.flow = self.plan.flow
         self.backend = self.plan.backend.name
         if r.engine == "vllm":  # refused before anything is written
-            check_engine_supported(self.flow, model, self.world.size)
+            check_engine_supported(self.flow, model)
         self.sampling = SamplingParams(
             max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k
         )

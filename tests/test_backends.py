@@ -363,16 +363,18 @@ def test_tiled_attention_product_gradients():
 @pytest.mark.parametrize("name", list(BACKENDS))
 @pytest.mark.parametrize("k", [128, 576, 200])
 @pytest.mark.parametrize("scale_fmt", ["fp32", "ue8m0"])
-def test_fp8_linear_is_quantize_then_fp8_matmul(name: str, k: int, scale_fmt: str):
+@pytest.mark.parametrize("amax_floor", [1e-4, 2.0**-9])  # fp8rl's convention, vLLM's
+def test_fp8_linear_is_quantize_then_fp8_matmul(name: str, k: int, scale_fmt: str, amax_floor: float):
     """A backend may fuse a linear's activation quantization into its GEMM (cpu and
     amx do: `quantize_dequantize`), but the bits must be those of `quantize` then
-    `fp8_matmul`, the path the dgrad and the reference take."""
+    `fp8_matmul`, the path the dgrad and the reference take, under either amax floor."""
     g = torch.Generator().manual_seed(k)
     x = torch.randn(37, k, generator=g) * torch.exp2(torch.randint(-12, 12, (37, 1), generator=g).float())
     x[3] = 0.0  # an all-zero row: the amax floor
     x[5, :7] = 1e-6  # tiny values in an otherwise ordinary row: E4M3 subnormals
+    x[6] *= 1e-3 / x[6].abs().max()  # a row between the two floors
     w = quantize(torch.randn(48, k, generator=g), (128, 128), scale_fmt=scale_fmt)
     backend = BACKENDS[name]
-    fused = backend.fp8_linear(x, w, scale_fmt, "x")
-    plain = backend.fp8_matmul(quantize(x, (1, 128), scale_fmt=scale_fmt), w, torch.float32)
+    fused = backend.fp8_linear(x, w, scale_fmt, "x", amax_floor)
+    plain = backend.fp8_matmul(quantize(x, (1, 128), scale_fmt=scale_fmt, amax_floor=amax_floor), w, torch.float32)
     assert torch.equal(fused, plain)

@@ -4,10 +4,12 @@ Loads a built-in policy under a flow, prefills a batch of random prompts into a
 KV cache, then times single-token decode forwards (the engine's `generate` step
 without sampling) at each batch size and counts the torch calls one of them
 makes (views included). If the time barely falls with the rows, the step is
-per-call overhead, not arithmetic.
+per-call overhead, not arithmetic. For comparison it also times one training-phase
+forward without a graph (what scoring runs) over `--forward ROWSxTOKENS` (64x68:
+the default run's half batch of ~68-token sequences).
 
     python benchmarks/decode_step.py                                   # tiny-arith, jet, 128/64/16/4 rows
-    python benchmarks/decode_step.py --model smollm2-135m-instruct --flow bf16 --rows 16,4
+    python benchmarks/decode_step.py --model smollm2-135m-instruct --flow bf16 --rows 16,4 --forward 16x80
 
 Prints one JSON object on stdout and a table on stderr.
 """
@@ -50,6 +52,20 @@ def time_decode(model, rows: int, prompt_len: int, cache_len: int, repeats: int)
     return {"rows": rows, "ms_per_step": seconds * 1e3, "torch_calls": calls}
 
 
+def time_forward(model, rows: int, tokens: int, repeats: int) -> dict:
+    """Median seconds of one training-phase forward of ``rows`` x ``tokens`` without a graph."""
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.randint(2, model.config.vocab_size, (rows, tokens), generator=g)
+    times = []
+    with torch.no_grad(), phase(model, "train"):
+        model(ids)  # warm-up
+        for _ in range(repeats):
+            start = time.perf_counter()
+            model(ids)
+            times.append(time.perf_counter() - start)
+    return {"rows": rows, "tokens": tokens, "ms": sorted(times)[len(times) // 2] * 1e3}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny-arith")
@@ -58,18 +74,22 @@ def main() -> int:
     ap.add_argument("--rows", default="128,64,16,4")
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--forward", default="64x68", metavar="ROWSxTOKENS", help="the training-phase forward timed too")
     args = ap.parse_args()
     model, _ = load(args.model)
     backend = apply_flow(model, args.flow, args.backend).backend
     refresh_weights(model)
     cache_len = (args.prompt_len + 3 + args.repeats + 1 + 15) // 16 * 16
     results = [time_decode(model, int(r), args.prompt_len, cache_len, args.repeats) for r in args.rows.split(",")]
+    f_rows, f_tokens = (int(n) for n in args.forward.lower().split("x"))
+    forward = time_forward(model, f_rows, f_tokens, 5)
     print(json.dumps({"model": args.model, "flow": args.flow, "backend": backend.name,
-                      "threads": torch.get_num_threads(), "results": results}, indent=2))
+                      "threads": torch.get_num_threads(), "results": results, "forward": forward}, indent=2))
     print(f"{args.model}, flow {args.flow}, backend {backend.name}, {torch.get_num_threads()} threads", file=sys.stderr)
     print(f"{'rows':>6}{'ms/step':>10}{'torch calls':>13}", file=sys.stderr)
     for r in results:
         print(f"{r['rows']:>6}{r['ms_per_step']:>10.2f}{r['torch_calls']:>13}", file=sys.stderr)
+    print(f"training-phase forward, {f_rows} x {f_tokens} tokens, no graph: {forward['ms']:.1f} ms", file=sys.stderr)
     return 0
 
 

@@ -15,7 +15,11 @@ For each GEMM ``y[M, N] = x[M, K] @ w[N, K]^T`` it measures:
   for 4096^3 (float64, minutes on a laptop CPU),
 - torch FP32 matmul, torch BF16 matmul (BF16 in, BF16 out), and the BF16 GEMM
   as FP8Linear runs it on CPU (BF16-rounded operands, FP32 math),
-- FP8 weight bytes (data + scales) / BF16 weight bytes.
+- FP8 weight bytes (data + scales) / BF16 weight bytes;
+- FP8 attention storage (static per-head scales: the Q/K/V/P values ``jet-kv``
+  multiplies) on the default run's softmax P [64, 4, 68, 80]: the FP8 round trip
+  (``quantize_static``'s cast, then ``fp8_to_float`` times the scale) against
+  ``dequantize_static`` (the same bits without FP8), side by side.
 
 Prints one JSON object, then a short table. ``--quick``: 256 tokens, no
 4096^3, fewer repeats (a smoke run of a few seconds).
@@ -87,6 +91,18 @@ def bench_one(name: str, m: int, n: int, k: int, repeats: int) -> dict:
     return r
 
 
+def bench_attention_storage(shape: tuple[int, ...], repeats: int) -> dict:
+    """FP8 round trip vs ``dequantize_static`` on a softmax-like tensor (per-head scale 1/448)."""
+    from fp8rl.fp8.quant import dequantize_static, fp8_to_float, quantize_static
+
+    p = torch.softmax(torch.randn(shape), dim=-1)
+    s = torch.full((shape[1],), 1 / 448).view(1, -1, 1, 1)
+    round_trip = best_ms(lambda: fp8_to_float(quantize_static(p, s)) * s, repeats)
+    direct = best_ms(lambda: dequantize_static(p, s), repeats)
+    assert torch.equal(dequantize_static(p, s), fp8_to_float(quantize_static(p, s)) * s)
+    return {"shape": list(shape), "fp8_round_trip_ms": round_trip, "dequantize_static_ms": direct}
+
+
 def table(rows: list[dict]) -> str:
     head = (
         f"{'gemm':22s} {'MxNxK':>16s} {'qact GB/s':>9s} {'qw GB/s':>8s} {'fp8 ref':>9s} {'fp8 cpu':>8s} {'fp8 amx':>8s} "
@@ -121,9 +137,13 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "machine": platform.processor() or platform.machine(),
         "results": rows,
+        "attention_storage": bench_attention_storage((64, 4, 68, 80), repeats * 4),
     }
     print(json.dumps(result))
     print(table(rows))
+    a = result["attention_storage"]
+    print(f"FP8 attention storage {a['shape']}: round trip {a['fp8_round_trip_ms']:.2f} ms, "
+          f"dequantize_static {a['dequantize_static_ms']:.2f} ms")
 
 
 if __name__ == "__main__":

@@ -357,3 +357,21 @@ def test_vllm_convention_is_vllms_scale_formula_and_matches_the_reference(shape)
     big = (xb.abs().amax(-1) >= floor).unsqueeze(-1).expand(xb.shape).flatten(-2)[..., : shape[-1]]
     assert torch.equal(q.data.view(torch.uint8)[big], ours.data.view(torch.uint8)[big])
     assert not torch.equal(q.scale, ours.scale)  # the rows below 2**-9 differ
+
+
+def test_dequantize_static_is_the_fp8_round_trip_bit_for_bit():
+    """What FP8 attention multiplies (Q/K/V/P values) without the FP8 cast: equal to
+    fp8_to_float(quantize_static(x, s)) * s in every bit, signs of zero included
+    (tiny negatives round to -0 like the cast), saturation beyond 448 * s, per-head scales."""
+    from fp8rl.fp8.quant import dequantize_static, fp8_to_float, quantize_static
+
+    g = torch.Generator().manual_seed(24)
+    sweep = torch.cat([torch.linspace(-500, 500, 400_001), torch.exp2(torch.linspace(-14, 9, 200_001)),
+                       -torch.exp2(torch.linspace(-14, 9, 200_001)), torch.tensor([0.0, -0.0, 1e-30, -1e-30])])
+    x = torch.cat([sweep, sweep.new_zeros(-sweep.numel() % 4)]).view(4, -1, 1).expand(4, -1, 3).contiguous()
+    x = x * torch.exp2(torch.randint(-3, 3, x.shape, generator=g).float())
+    scale = torch.tensor([1.0, 0.5, 2.0**-7, 3e-3]).view(4, 1, 1)
+    want = fp8_to_float(quantize_static(x, scale)) * scale
+    got = dequantize_static(x, scale)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert (got == 0).any() and torch.signbit(got[got == 0]).any()  # -0 occurs and is kept

@@ -227,11 +227,27 @@ def quantize_dequantize(
         x32 = torch.nn.functional.pad(x32, (0, -k % bk))  # zeros never raise a block's amax
     xb = x32.unflatten(-1, (-1, bk))  # [..., M, K/bk, bk]
     s = _row_block_scales(xb, E4M3.max, scale_fmt, name, amax_floor)
-    y = _scaled(xb, s, E4M3.max)
+    out = _round_to_e4m3_(_scaled(xb, s, E4M3.max)).mul_(s).flatten(-2)
+    return out[..., :k] if k % bk else out
+
+
+def _round_to_e4m3_(y: torch.Tensor) -> torch.Tensor:
+    """Round FP32 ``y`` (``|y| <= 448``) in place to the E4M3 grid, to nearest even, as
+    the cast rounds, by the magic-number addition of ``quantize_dequantize``; a
+    negative value that rounds to zero gives +0 (the cast: -0)."""
     exponent = y.view(torch.int32).bitwise_and(_EXPONENT_BITS).clamp_min_(_E4M3_MIN_NORMAL_EXP)
     magic = exponent.add_((20 << 23) | (1 << 22)).view(torch.float32)  # 1.5 * 2**(e+20)
-    out = y.add_(magic).sub_(magic).mul_(s).flatten(-2)
-    return out[..., :k] if k % bk else out
+    return y.add_(magic).sub_(magic)
+
+
+def dequantize_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``fp8_to_float(quantize_static(x, scale)) * scale`` (E4M3) as FP32, bit for bit,
+    signs of zero included, without the FP8 round trip: torch's FP8 cast is a scalar
+    loop on the CPU and the way back a table gather, which made FP8 attention's
+    Q/K/V/P storage a sizeable part of a ``jet-kv`` step."""
+    x32 = x.float()
+    y = _round_to_e4m3_(_scaled(x32, scale, E4M3.max))
+    return torch.copysign(y, x32, out=y).mul_(scale)
 
 
 def _scaled(x32: torch.Tensor, scale: torch.Tensor, fmax: float) -> torch.Tensor:

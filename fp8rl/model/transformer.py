@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from fp8rl.fp8.backends import Backend
 from fp8rl.fp8.formats import E4M3_MAX
-from fp8rl.fp8.quant import DerivedCache, fp8_to_float, quantize_static
+from fp8rl.fp8.quant import DerivedCache, dequantize_static
 from fp8rl.precision import FULL_PRECISION_ATTENTION, FULL_PRECISION_HEAD, AttentionPlan, FlowPlan, HeadPlan
 
 from .config import ModelConfig
@@ -84,31 +84,28 @@ class _HeadGrad(torch.autograd.Function):
         return (dh.view_as(h) if dh is not None else None), dw, None, None
 
 
-def store_heads(x: torch.Tensor, precision: str, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def store_heads(x: torch.Tensor, precision: str, scale: torch.Tensor | None) -> torch.Tensor:
     """Round per-head activations `x` [B, H, T, D] to their storage format.
 
-    Returns `(stored, value)`: `stored` is what a cache keeps (bf16 or fp8 data,
-    or fp32), `value` its float32 value (`stored.float() * scale` for fp8) with a
-    straight-through gradient to `x`. `scale` is per head [H] (fp8 only); values
-    beyond `448 * scale` saturate, as static scales do.
+    Returns the float32 value of `x` in that format (BF16-rounded; for fp8 the E4M3
+    data times the scale, `quant.dequantize_static`), with a straight-through
+    gradient to `x`: what attention multiplies and a KV cache holds. `scale` is per
+    head [H] (fp8 only); values beyond `448 * scale` saturate, as static scales do.
     """
     if precision == "fp32":
-        return x, x
+        return x
     with torch.no_grad():
         if precision == "bf16":
-            stored = x.detach().to(torch.bfloat16)
-            value = stored.float()
+            value = x.detach().to(torch.bfloat16).float()
         elif precision == "fp8":
             if scale is None:
                 raise ValueError("FP8 storage of attention heads needs per-head scales")
-            s = scale.view(1, -1, 1, 1)
-            stored = quantize_static(x.detach(), s)
-            value = fp8_to_float(stored) * s
+            value = dequantize_static(x.detach(), scale.view(1, -1, 1, 1))
         else:
             raise ValueError(f"unknown attention storage precision {precision!r}")
     if x.requires_grad:
         value = _StraightThrough.apply(x, value)
-    return stored, value
+    return value
 
 
 class KVCacheLike(Protocol):
@@ -229,7 +226,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     scores = scores.masked_fill(~mask, float("-inf"))
     p = torch.softmax(scores, dim=-1)
     if plan.qp == "fp8":
-        _, p = store_heads(p, "fp8", torch.full((p.shape[1],), 1.0 / E4M3_MAX, device=p.device))
+        p = store_heads(p, "fp8", torch.full((p.shape[1],), 1.0 / E4M3_MAX, device=p.device))
     out = plan.backend.attention_values(p.reshape(B, Hkv, (H // Hkv) * T, -1), v)  # [B, Hkv, G*T, D]
     return out.reshape(B, H, T, D)
 
@@ -271,12 +268,12 @@ class Attention(nn.Module):
                 rec[name].append(t.detach().abs().amax(dim=-1).transpose(1, 2).reshape(-1, t.shape[1]))
 
         plan = self.attention_plan
-        k_stored, k_val = store_heads(k, plan.kv, self.k_scale)
-        v_stored, v_val = store_heads(v, plan.kv, self.v_scale)
-        _, q_val = store_heads(q, plan.qp, self.q_scale)
+        k_val = store_heads(k, plan.kv, self.k_scale)
+        v_val = store_heads(v, plan.kv, self.v_scale)
+        q_val = store_heads(q, plan.qp, self.q_scale)
         L = ctx.cache_len
         if ctx.cache is not None:
-            k_all, v_all = ctx.cache.update(self.layer_idx, ctx.start, k_stored, v_stored)
+            k_all, v_all = ctx.cache.update(self.layer_idx, ctx.start, k_val, v_val)
         else:
             if ctx.start != 0:
                 raise ValueError("a forward without a KV cache must start at slot 0")

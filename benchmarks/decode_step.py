@@ -10,6 +10,7 @@ the default run's half batch of ~68-token sequences).
 
     python benchmarks/decode_step.py                                   # tiny-arith, jet, 128/64/16/4 rows
     python benchmarks/decode_step.py --model smollm2-135m-instruct --flow bf16 --rows 16,4 --forward 16x80
+    python benchmarks/decode_step.py --model tiny-chain --rows 64 --cache-len 400 --forward 64x400   # long answers
 
 Prints one JSON object on stdout and a table on stderr.
 """
@@ -74,18 +75,22 @@ def main() -> int:
     ap.add_argument("--rows", default="128,64,16,4")
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--cache-len", type=int, default=0,
+                    help="key slots of the KV cache (0: just enough for the timed steps); a decode step attends "
+                         "to all of them, as the engine's static cache does (the `chain` study: ~400)")
     ap.add_argument("--forward", default="64x68", metavar="ROWSxTOKENS", help="the training-phase forward timed too")
     args = ap.parse_args()
     model, _ = load(args.model)
     backend = apply_flow(model, args.flow, args.backend).backend
     refresh_weights(model)
-    cache_len = (args.prompt_len + 3 + args.repeats + 1 + 15) // 16 * 16
+    cache_len = max(args.cache_len, (args.prompt_len + 3 + args.repeats + 1 + 15) // 16 * 16)
     results = [time_decode(model, int(r), args.prompt_len, cache_len, args.repeats) for r in args.rows.split(",")]
     f_rows, f_tokens = (int(n) for n in args.forward.lower().split("x"))
     forward = time_forward(model, f_rows, f_tokens, 5)
-    print(json.dumps({"model": args.model, "flow": args.flow, "backend": backend.name,
+    print(json.dumps({"model": args.model, "flow": args.flow, "backend": backend.name, "cache_len": cache_len,
                       "threads": torch.get_num_threads(), "results": results, "forward": forward}, indent=2))
-    print(f"{args.model}, flow {args.flow}, backend {backend.name}, {torch.get_num_threads()} threads", file=sys.stderr)
+    print(f"{args.model}, flow {args.flow}, backend {backend.name}, {torch.get_num_threads()} threads, "
+          f"{cache_len} key slots", file=sys.stderr)
     print(f"{'rows':>6}{'ms/step':>10}{'torch calls':>13}", file=sys.stderr)
     for r in results:
         print(f"{r['rows']:>6}{r['ms_per_step']:>10.2f}{r['torch_calls']:>13}", file=sys.stderr)

@@ -24,7 +24,7 @@ BACKEND_HELP = "GEMM backend: auto (choose_backend's pick) or one of {backends}"
 
 # Flags of the top-level config keys (dest = the key); each command takes those it uses.
 TOP_FLAGS: dict[str, dict[str, Any]] = {
-    "model": {"help": "built-in name (tiny-arith, tiny-moe, smollm2-135m-instruct), HF folder or .gguf file"},
+    "model": {"help": "built-in name (tiny-arith, tiny-moe, tiny-chain, smollm2-135m-instruct), HF folder or .gguf file"},
     "task": {"help": "arith | arith:KEY=VAL,... | gsm8k:PATH | reasoning-gym:NAME"},
     "flow": {"help": "precision preset: {presets}"},
     "backend": {"help": BACKEND_HELP},
@@ -303,6 +303,8 @@ def cmd_sft(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
     from fp8rl.evaluate import evaluate
+    from fp8rl.prompts import encode_prompts
+    from fp8rl.runlog import atomic_write_text
     from fp8rl.sft import build_tiny_policy, run_sft, save_policy, sft_info
     from fp8rl.tasks import make_task
 
@@ -315,6 +317,15 @@ def cmd_sft(args: argparse.Namespace) -> int:
         raise FileExistsError(f"output directory {out} is not empty and holds no sft policy; choose another --out")
     task = make_task(cfg.task)
     model, tok = _load(cfg.model) if cfg.model else build_tiny_policy(task, s, seed=cfg.seed)
+    test = task.test_problems(s.eval_n)
+    longest = max((len(p) for p in encode_prompts(tok, [p.question for p in test], cfg.system_prompt)), default=0)
+    context = model.config.max_position_embeddings
+    if longest + s.max_new_tokens > context:  # found now, not after the training
+        raise ValueError(
+            f"sft: the evaluation's longest prompt has {longest} tokens; with sft.max_new_tokens = "
+            f"{s.max_new_tokens} it exceeds the model's context of {context} positions "
+            f"(lower sft.max_new_tokens{'' if cfg.model else ' or raise sft.max_position_embeddings'})"
+        )
     print(f"fp8rl sft: {sum(p.numel() for p in model.parameters()):,} parameters, seed {cfg.seed}, {s}",
           file=sys.stderr)
     t0 = time.perf_counter()
@@ -326,11 +337,12 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
         losses = run_sft(model, tok, task, s, seed=cfg.seed, on_step=on_step, system_prompt=cfg.system_prompt)
     seconds = time.perf_counter() - t0
-    ev = evaluate(model, tok, task.test_problems(s.eval_n), max_new_tokens=s.max_new_tokens,
-                  system_prompt=cfg.system_prompt)
     command = "fp8rl sft " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["sft"] else "fp8rl sft"
+    # Saved before the evaluation, so that nothing can lose the trained weights; sft.json gets the eval after.
+    save_policy(model, tok, out, sft_info(s, cfg.seed, task, losses, {}, seconds, command))
+    ev = evaluate(model, tok, test, max_new_tokens=s.max_new_tokens, system_prompt=cfg.system_prompt)
     info = sft_info(s, cfg.seed, task, losses, ev, seconds, command)
-    save_policy(model, tok, out, info)
+    atomic_write_text(out / "sft.json", json.dumps(info, indent=2) + "\n")
     info["out"] = cfg.out
     _emit(args, info, f"saved {cfg.out}: held-out accuracy {ev['accuracy']:.3f} (n={ev['n']}), "
                       f"final loss {losses[-1]:.4f}, {seconds:.0f} s")
@@ -428,7 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p, ("model", "flow", "backend", "seed"), d)
     p.set_defaults(fn=cmd_audit)
 
-    p, d = command("sft", help="supervised warm-up; builds the tiny-arith and tiny-moe policies",
+    p, d = command("sft", help="supervised warm-up; builds the tiny-arith, tiny-moe and tiny-chain policies",
                    description="Supervised fine-tuning on a task's worked solutions. Without a model (no --model, "
                                "no `model` in the config) it builds the built-in tiny policy from scratch "
                                "(tokenizer + model).")

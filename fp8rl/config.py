@@ -116,6 +116,10 @@ class SFTConfig:
     # purpose by the built-in tiny policy so that RL has something clear to fix.
     early_answer_noise: float = 0.0
     eval_n: int = 500  # held-out problems evaluated at the end
+    # Backend of the attention products while training: "reference" (float64, how the
+    # built-in policies were made) or a batch-invariant FP32 one ("cpu", "amx"), several
+    # times faster on long sequences (the `chain` policy's ~350-token solutions).
+    attention_backend: str = "reference"
     max_new_tokens: int = 48  # generation budget of that evaluation
     # tiny-policy architecture (used only when building from scratch)
     vocab_size: int = 384
@@ -150,6 +154,10 @@ class BenchConfig:
 class CompareConfig:
     flows: tuple[str, ...] = ("bf16", "fp8-rollout", "jet", "jet-e2e", "jet-kv", "fp8-grads")  # every preset
     seeds: tuple[int, ...] = (0, 1, 2)
+    # A swept knob: each entry is a label, then the settings that differ at that point
+    # ("long task=chain:min_times=24,max_times=32 rollout.max_new_tokens=352"); the
+    # flows x seeds grid runs once per entry, into `out`/<label>. Empty: one grid.
+    sweep: tuple[str, ...] = ()
 
 
 # Sections that configure one command other than `train`; they never change a
@@ -252,8 +260,11 @@ def validate(cfg: RunConfig) -> None:
             raise ValueError(f"unknown flow {unknown[0]!r} in {key} (--flows); valid presets: {', '.join(PRESETS)}")
     if not cfg.compare.seeds:
         raise ValueError("config key compare.seeds (--seeds) names no seed")
+    labels = [label for label, _ in sweep_points(cfg.compare.sweep)]
+    if len(set(labels)) < len(labels):
+        raise ValueError(f"config key compare.sweep: labels repeat: {labels}")
     backends = ("auto", *BACKENDS)
-    for key, allowed in (*CHOICES.items(), ("backend", backends)):
+    for key, allowed in (*CHOICES.items(), ("backend", backends), ("sft.attention_backend", tuple(BACKENDS))):
         value = _get(cfg, key)
         if value not in allowed:
             raise ValueError(f"config key {key} = {value!r} is not one of {', '.join(allowed)}")
@@ -376,6 +387,21 @@ def _coerce(key: str, value: Any, default: Any, hint: Any = None) -> Any:
     if isinstance(default, str) and not isinstance(value, str):
         raise ValueError(f"config key {key} must be a string, got {value!r}")
     return value
+
+
+def sweep_points(entries: tuple[str, ...]) -> list[tuple[str, dict[str, Any]]]:
+    """`compare.sweep` entries -> [(label, {dotted key: value})]: the first word of
+    an entry is its label (a folder name), the rest `key=value` words (TOML values,
+    as `--set` takes them). The keys are checked when a point's config is built."""
+    points = []
+    for entry in entries:
+        label, *words = entry.split()
+        if not label or "=" in label or "/" in label or label.startswith("."):
+            raise ValueError(f"config key compare.sweep: entry {entry!r} must start with a label (a folder name)")
+        if not words:
+            raise ValueError(f"config key compare.sweep: entry {entry!r} sets nothing after its label")
+        points.append((label, dict(parse_override(w) for w in words)))
+    return points
 
 
 def from_dict(data: dict[str, Any]) -> RunConfig:

@@ -113,6 +113,24 @@ def plot_compare(
     return _save(fig, Path(out))
 
 
+def plot_sweep(
+    series: Mapping[str, Sequence[tuple[float, float, float]]],
+    out: Path,
+    xlabel: str,
+    ylabel: str,
+    title: str,
+) -> Path:
+    """One line per flow through its sweep points, each point (x, mean, std);
+    the std as an error bar (0: none). Written to `out` (PNG)."""
+    fig, ax = _figure(title)
+    for flow, points in series.items():
+        pts = sorted(points)
+        ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts],
+                    marker="o", capsize=3, label=flow)
+    _finish(ax, xlabel, ylabel)
+    return _save(fig, Path(out))
+
+
 def _as_seeds(value: Records | Sequence[Records]) -> list[Records]:
     """A single run (list of dicts) becomes [run]; a list of runs stays as is."""
     if len(value) > 0 and isinstance(value[0], Mapping):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -35,7 +36,7 @@ import torch.nn as nn
 
 from fp8rl.fp8.backends import BACKENDS, Backend, get_backend, resolve_backend
 from fp8rl.fp8.formats import AMAX_FLOORS, SCALE_FORMATS
-from fp8rl.fp8.linear import FP8Linear, LinearPlan
+from fp8rl.fp8.linear import TRANSPORT_COUNTS, FP8Linear, LinearPlan
 
 PHASES: tuple[str, ...] = ("train", "rollout")
 
@@ -309,3 +310,39 @@ def refresh_weights(module: nn.Module) -> int:
         layer.refresh_weight()
         n += 1
     return n
+
+
+
+def take_grad_transport_counts(module: nn.Module) -> dict[str, list[float]]:
+    """The TRANSPORT_COUNTS of every decoder layer's FP8Linears since the last
+    call, ``{"layer{i}": [entries, nonzero, flushed, saturated]}`` (the gradient
+    leaving layer i's linears; other linears under ``"other"``), then the counts
+    restart. Empty when no gradient travelled in FP8 (only ``fp8-grads`` sends
+    it so). Plain lists, so ranks can gather and add them."""
+    out: dict[str, list[float]] = {}
+    for layer in fp8_linears(module):
+        counts = layer.transport_counts.tolist()
+        layer.transport_counts.zero_()
+        if counts[0] == 0:
+            continue
+        found = re.search(r"layers\.(\d+)\.", layer.name)
+        key = f"layer{found.group(1)}" if found else "other"
+        out[key] = [a + b for a, b in zip(out.get(key, [0.0] * len(TRANSPORT_COUNTS)), counts)]
+    return out
+
+
+def grad_transport_stats(counts: dict[str, list[float]]) -> dict[str, float]:
+    """Metrics of ``take_grad_transport_counts``'s counts (summed over ranks):
+    ``grad_flushed_frac``, the share of nonzero gradient entries that arrived
+    as zero (below the smallest E4M3 subnormal of their 1x128 block's scale:
+    the underflow that makes FP8 gradients stall or collapse training);
+    ``grad_saturated_frac``, the share of all entries sent that were clamped to
+    their block's largest FP8 value; ``grad_flushed_frac.layer{i}`` per layer.
+    Empty for empty counts."""
+    if not counts:
+        return {}
+    entries, nonzero, flushed, saturated = (sum(c[j] for c in counts.values()) for j in range(len(TRANSPORT_COUNTS)))
+    stats = {"grad_flushed_frac": flushed / max(nonzero, 1.0), "grad_saturated_frac": saturated / max(entries, 1.0)}
+    for key in sorted(counts, key=lambda k: (k == "other", int(k[5:]) if k != "other" else 0)):
+        stats[f"grad_flushed_frac.{key}"] = counts[key][2] / max(counts[key][1], 1.0)
+    return stats

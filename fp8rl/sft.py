@@ -26,8 +26,10 @@ import torch
 import torch.nn.functional as F
 
 from fp8rl.config import SFTConfig
+from fp8rl.fp8.backends import BACKENDS
 from fp8rl.model.config import ModelConfig
 from fp8rl.model.transformer import Transformer
+from fp8rl.precision import FULL_PRECISION_ATTENTION, AttentionPlan
 from fp8rl.prompts import encode_prompts
 from fp8rl.tasks import Problem, Task
 
@@ -124,6 +126,9 @@ def run_sft(
     """Train on `task.train_problems(seed)`; AdamW, linear warm-up then cosine decay.
     Returns the per-step losses."""
     torch.manual_seed(seed)
+    training_attention = AttentionPlan("fp32", "fp32", BACKENDS[cfg.attention_backend])  # reference: the usual plan
+    for layer in model.model.layers:  # training only: the saved policy carries no plan
+        layer.self_attn.attention_plan = training_attention
     stream = task.train_problems(seed)
     noise_rng = random.Random(seed + 7)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -149,6 +154,8 @@ def run_sft(
         losses.append(loss.item())
         if on_step is not None:
             on_step(step, losses[-1], lr)
+    for layer in model.model.layers:
+        layer.self_attn.attention_plan = FULL_PRECISION_ATTENTION
     model.eval()
     return losses
 

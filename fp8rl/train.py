@@ -64,11 +64,14 @@ from fp8rl.evaluate import evaluate
 from fp8rl.fp8 import NonFiniteError
 from fp8rl.runlog import RunLogger, read_metrics, write_summary
 from fp8rl.model.transformer import Transformer
-from fp8rl.precision import apply_flow, refresh_weights
+from fp8rl.precision import apply_flow, grad_transport_stats, refresh_weights, take_grad_transport_counts
 from fp8rl.prompts import encode_prompts
 from fp8rl.rl.correction import importance_weights
 from fp8rl.rl.grpo import group_advantages, masked_mean, policy_loss
-from fp8rl.rl.metrics import METRIC_NAMES, MISMATCH_METRICS, ROUTING_METRICS, mismatch_metrics, routing_mismatch
+from fp8rl.rl.metrics import (
+    METRIC_NAMES, MISMATCH_METRICS, ROUTING_METRICS, SEQUENCE_METRICS, mismatch_metrics, routing_mismatch,
+    sequence_mismatch,
+)
 from fp8rl.rollout.calibrate import calibrate
 from fp8rl.rollout.engine import (
     Rollout, SamplingParams, generate, left_pad, routing_record, sample_seed, sampled_routing, score,
@@ -162,6 +165,7 @@ class Optimized:
     grad_norms: list[float]
     clip_fracs: list[float]
     entropies: list[float]
+    grad_transport: dict[str, float]  # `grad_transport_stats` of the step (empty unless gradients travel in FP8)
 
 
 def _as_saved(cfg: RunConfig) -> dict[str, Any]:
@@ -499,6 +503,8 @@ class Trainer:
         t = self.cfg.train
         old, rollout = self._global(scored.old_logp), self._global(out.logprobs)
         mismatch = mismatch_metrics(old, rollout, mask)
+        seq = sequence_mismatch(old, rollout, mask)
+        mismatch.update({k: seq[k] for k in SEQUENCE_METRICS})
         if out.routing is None:
             mismatch["routing_mismatch"] = 0.0
         else:  # int32: what every gather backend carries
@@ -521,7 +527,7 @@ class Trainer:
             g["lr"] = lr
         G, P, M = self.cfg.rollout.group_size, self.cfg.rollout.prompts_per_step, t.micro_batches
         rows_per_mb = P // M * G
-        res = Optimized(lr, [], [], [], [])
+        res = Optimized(lr, [], [], [], [], {})
         grads = GradientSum(self.params, self.world)
         for i in range(M):
             n_tokens = int(mask[i * rows_per_mb:(i + 1) * rows_per_mb].sum())
@@ -552,6 +558,11 @@ class Trainer:
             res.grad_norms.append(float(grad_norm))
             res.clip_fracs.append(math.fsum(u[1] for u in every) / max(n_tokens, 1))
             res.entropies.append(math.fsum(u[2] for u in every) / max(n_tokens, 1))
+        counts: dict[str, list[float]] = {}
+        for rank_counts in self.world.gather_objects(take_grad_transport_counts(self.model)):
+            for key, c in rank_counts.items():
+                counts[key] = [a + b for a, b in zip(counts.get(key, [0.0] * len(c)), c)]
+        res.grad_transport = grad_transport_stats(counts)
         return res
 
     def _backward(self, loss: torch.Tensor) -> bool:
@@ -602,7 +613,7 @@ class Trainer:
         rewards, correct = self._global(rewards), self._global(correct)
         n_tok = int(mismatch["n_tokens"])
         metrics: dict[str, float] = {
-            **{k: mismatch[k] for k in MISMATCH_METRICS + ROUTING_METRICS},
+            **{k: mismatch[k] for k in MISMATCH_METRICS + SEQUENCE_METRICS + ROUTING_METRICS},
             **is_stats,
             "reward_mean": float(rewards.mean()),
             "accuracy": float(correct.mean()),
@@ -616,6 +627,7 @@ class Trainer:
             "rollout_tokens_per_s": n_tok / max(times["time_rollout_s"], 1e-9),
             "peak_mem_bytes": peak_memory_bytes(self.model.device),
             "skipped_steps": self.skipped_steps,
+            **opt.grad_transport,
         }
         missing = set(METRIC_NAMES) - set(metrics)
         if missing:

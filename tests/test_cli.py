@@ -660,3 +660,70 @@ def test_compare_rerun_with_another_flow_resumes_its_runs(capsys, tmp_path):
     rc, out, err = cli(capsys, "compare", "--config", cfg_file, "--flows", "bf16,jet", "--out", out_dir, "--json")
     assert rc == 0, err
     assert [r["label"] for r in json.loads(out)["rows"]] == ["bf16", "jet"]
+
+
+SWEEP = ('[compare]\nflows = ["bf16"]\nseeds = [0]\nsweep = [\n'
+         '  "short task=chain:min_times=1,max_times=2 rollout.max_new_tokens=6",\n'
+         '  "long task=chain:min_times=3,max_times=4 rollout.max_new_tokens=10",\n]\n')
+
+
+def test_compare_sweep_runs_the_grid_per_point_and_reports_across_them(capsys, tmp_path):
+    cfg_file = toml(tmp_path, "[rollout]\nprompts_per_step = 2\ngroup_size = 2\n"
+                              "[train]\nsteps = 1\n[eval]\nn = 2\nmax_new_tokens = 4\n" + SWEEP)
+    out_dir = tmp_path / "sweep"
+    rc, out, err = cli(capsys, "compare", "--config", cfg_file, "--out", out_dir, "--json")
+    assert rc == 0, err
+    report = json.loads(out)
+    assert list(report["sweep"]) == ["short", "long"]
+    for label, budget in (("short", 6), ("long", 10)):
+        run = out_dir / label / "runs" / "bf16-seed0"
+        saved = json.loads((run / "config.json").read_text())
+        assert saved["task"].startswith("chain:") and saved["rollout"]["max_new_tokens"] == budget
+        assert saved["compare"]["sweep"] == []  # a point's runs are plain runs
+        row = report["sweep"][label]["rows"][0]
+        assert row["response_len_mean"] <= budget and row["seq_log_ratio_abs_mean"] == 0.0
+        assert row["grad_flushed_frac"] is None  # bf16 sends no FP8 gradient
+    md = (out_dir / "report.md").read_text()
+    assert "## short: chain:min_times=1" in md and "## long: chain:min_times=3" in md
+    assert (out_dir / "length_accuracy.png").is_file() and (out_dir / "length_mismatch.png").is_file()
+    # the same command again reuses the finished runs (resumes them at their last step)
+    assert cli(capsys, "compare", "--config", cfg_file, "--out", out_dir, "--json")[0] == 0
+    assert len((out_dir / "long" / "runs" / "bf16-seed0" / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+@pytest.mark.parametrize("sweep,message", [
+    ('["a task=chain", "a task=arith"]', "labels repeat"),
+    ('["only-a-label"]', "sets nothing"),
+    ('["x=1 task=chain"]', "must start with a label"),
+    ('["bad rollout.max_new_token=3"]', "max_new_token"),
+])
+def test_compare_sweep_mistakes_are_named_before_any_run(capsys, tmp_path, sweep, message):
+    cfg_file = toml(tmp_path, f"[train]\nsteps = 1\n[compare]\nflows = [\"bf16\"]\nsweep = {sweep}\n")
+    rc, _, err = cli(capsys, "compare", "--config", cfg_file, "--out", tmp_path / "o", "--json")
+    error_line(rc, err, message)
+    assert not (tmp_path / "o").exists()
+
+
+def test_sft_refuses_an_evaluation_budget_beyond_the_context_before_training(capsys, tmp_path, monkeypatch):
+    import fp8rl.sft
+
+    monkeypatch.setattr(fp8rl.sft, "run_sft", lambda *a, **k: pytest.fail("trained before the check"))
+    out_dir = tmp_path / "too-long"
+    rc, _, err = cli(capsys, "sft", "--model", "tiny-arith", "--out", out_dir, "--max-new-tokens", "250", "--json")
+    error_line(rc, err, "exceeds the model's context of 256 positions", "lower sft.max_new_tokens", one_line=False)
+    assert not out_dir.exists()
+
+
+def test_sft_saves_the_policy_before_its_evaluation(capsys, tmp_path, monkeypatch):
+    import fp8rl.evaluate
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("evaluation crashed")
+
+    monkeypatch.setattr(fp8rl.evaluate, "evaluate", broken)
+    out_dir = tmp_path / "kept"
+    with pytest.raises(RuntimeError, match="evaluation crashed"):
+        cli(capsys, "sft", "--model", "tiny-arith", "--out", out_dir, "--steps", "1", "--batch-size", "2",
+            "--eval-n", "2", "--max-new-tokens", "4", "--json")
+    info = json.loads((out_dir / "sft.json").read_text())
+    assert info["eval"] == {} and (out_dir / "model.safetensors").is_file()

@@ -140,3 +140,36 @@ def test_compare_default_flows_are_every_preset():
     from fp8rl.precision import PRESETS
 
     assert CompareConfig().flows == tuple(PRESETS)
+
+
+def test_sft_attention_backend_is_checked_against_the_registry():
+    with pytest.raises(ValueError, match="sft.attention_backend = 'fast-please' is not one of reference"):
+        from_dict({"sft": {"attention_backend": "fast-please"}})
+    assert from_dict({"sft": {"attention_backend": "cpu"}}).sft.attention_backend == "cpu"
+
+
+def test_sft_attention_backend_runs_the_training_and_leaves_no_plan_behind(monkeypatch):
+    import torch
+
+    from fp8rl.config import SFTConfig
+    from fp8rl.fp8.backends import BACKENDS
+    from fp8rl.model import load
+    from fp8rl.precision import FULL_PRECISION_ATTENTION
+    from fp8rl.sft import run_sft
+    from fp8rl.tasks import make_task
+
+    cpu = BACKENDS["cpu"]
+    calls = []
+    original = cpu.attention_scores
+    monkeypatch.setattr(cpu, "attention_scores", lambda q, k: calls.append(q.shape) or original(q, k))
+    losses = {}
+    for backend in ("reference", "cpu"):
+        calls.clear()
+        model, tok = load("tiny-arith")
+        cfg = SFTConfig(steps=1, batch_size=4, lr=0.0, attention_backend=backend)
+        losses[backend] = run_sft(model, tok, make_task("chain:min_times=2,max_times=3"), cfg, seed=0)[0]
+        assert len(calls) == (model.config.num_layers if backend == "cpu" else 0)  # one forward, every layer
+        assert all(layer.self_attn.attention_plan is FULL_PRECISION_ATTENTION for layer in model.model.layers)
+    # FP32 products instead of float64 ones: the same loss up to FP32 rounding
+    assert losses["cpu"] == pytest.approx(losses["reference"], rel=1e-5)
+    assert torch.isfinite(torch.tensor(losses["cpu"]))

@@ -287,3 +287,50 @@ def test_toy_mlp_fits_with_every_preset(flow_name):
     first, final = toy_regression(flow_name)
     assert math.isfinite(final) and final < TOY_MAX_RATIO * first, (flow_name, first, final)
     assert final < TOY_MAX_VS_BF16 * toy_regression("bf16")[1], (flow_name, final)
+
+
+def test_fp8_grad_transport_counts_what_it_flushes_and_saturates():
+    from fp8rl.fp8.linear import TRANSPORT_COUNTS, transport_losses
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 256, generator=g)
+    x[0, :128] *= 1e-9  # a block far below the amax floor: mostly flushed
+    x[1, 5] = 1e6  # one huge entry: the rest of its block falls below the smallest subnormal
+    x[2, :] = 0.0
+    q = quantize(x, (1, 128))
+    sent = dequantize(q)
+    counts = dict(zip(TRANSPORT_COUNTS, transport_losses(x, sent, q).tolist()))
+    # the reference, from the definitions: x / scale below half E4M3's smallest subnormal (2^-9) rounds to 0
+    s = q.scale.double().repeat_interleave(128, dim=1)
+    ratio = (x.double() / s).abs()
+    assert counts["entries"] == x.numel() and counts["nonzero"] == int((x != 0).sum())
+    assert counts["flushed"] == int(((x != 0) & (ratio <= 2.0**-10)).sum()) > 128
+    # amax scaling leaves no room for saturation, beyond rounding at the top (448 + half its ulp of 32)
+    assert (ratio > 448).any() and counts["saturated"] == int((ratio > 464).sum()) == 0
+    q.scale[1, 0] /= 2  # a block scaled too small: its large entries clamp
+    over = int((x.double()[1, :128] / q.scale[1, 0].double()).abs().gt(464).sum())
+    assert over >= 1 and transport_losses(x, sent, q)[3] == over
+
+
+def test_fp8_grads_flow_reports_its_transport_losses_per_layer():
+    from fp8rl.precision import apply_flow, grad_transport_stats, take_grad_transport_counts
+
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.layers = nn.ModuleList([nn.Sequential(nn.Linear(128, 128), nn.Linear(128, 128)) for _ in range(2)])
+    apply_flow(model, "fp8-grads", backend="reference")
+    x = torch.randn(32, 128, requires_grad=True)
+    y = model.layers[1](model.layers[0](x))
+    (y * 1e-6).sum().backward()
+    counts = take_grad_transport_counts(model)
+    assert set(counts) == {"layer0", "layer1"} and all(c[0] == 2 * 32 * 128 for c in counts.values())
+    stats = grad_transport_stats(counts)
+    assert set(stats) == {"grad_flushed_frac", "grad_saturated_frac", "grad_flushed_frac.layer0",
+                          "grad_flushed_frac.layer1"}
+    assert take_grad_transport_counts(model) == {}  # taken: the counts restart
+    # a flow without FP8 transport counts nothing
+    model2 = nn.Sequential()
+    model2.layers = nn.ModuleList([nn.Linear(128, 128)])
+    apply_flow(model2, "jet-e2e", backend="reference")
+    model2.layers[0](x).sum().backward()
+    assert take_grad_transport_counts(model2) == {} and grad_transport_stats({}) == {}

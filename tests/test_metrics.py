@@ -40,11 +40,12 @@ def test_empty_mask_reports_no_mismatch():
 def test_metric_names_are_the_design_contract():
     expected = {
         "token_mult_prob_error", "max_abs_logprob_diff", "mean_abs_logprob_diff", "gen_kl", "routing_mismatch",
+        "seq_log_ratio_abs_mean", "seq_log_ratio_abs_max", "seq_ratio_off_2x_frac",
         "is_weight_mean", "is_weight_max", "is_clip_frac",
         "reward_mean", "accuracy", "response_len_mean", "entropy", "loss", "grad_norm", "lr", "ppo_clip_frac",
         "time_rollout_s", "time_train_s", "time_sync_s", "time_step_s", "rollout_tokens_per_s", "peak_mem_bytes",
     }
-    assert len(METRIC_NAMES) == len(set(METRIC_NAMES)) == 22
+    assert len(METRIC_NAMES) == len(set(METRIC_NAMES)) == 25
     assert set(METRIC_NAMES) == expected
 
 

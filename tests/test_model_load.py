@@ -159,7 +159,7 @@ def test_non_gguf_file_is_refused(tmp_path):
         load(tmp_path / "weights.bin")
 
 
-@pytest.mark.parametrize("name", ["tiny-arith", "tiny-moe"])
+@pytest.mark.parametrize("name", ["tiny-arith", "tiny-moe", "tiny-chain"])
 def test_tiny_builtins(name):
     folder = Path(__import__("fp8rl").__file__).parent / "assets" / name
     if (folder / "config.json").is_file():

@@ -354,3 +354,56 @@ def test_reasoning_gym_unusable_first_entry_fails_at_load(monkeypatch):
     fake_reasoning_gym(monkeypatch, [10**5000, 1])
     with pytest.raises(ValueError, match="reasoning-gym fake: first entry .* cannot be written out"):
         make_task("reasoning-gym:fake")
+
+
+# ------------------------------------------------------------------ chain
+
+
+def test_chain_solutions_are_numbered_sums_of_the_asked_length():
+    from fp8rl.tasks.chain import ChainTask
+
+    task = make_task("chain:min_times=3,max_times=5,max_start=9,max_add=9")
+    assert isinstance(task, ChainTask) and isinstance(task, Task)
+    for p in islice(task.train_problems(0), 50):
+        a, b, n = (int(x) for x in re.findall(r"\d+", p.question))
+        lines = p.solution.split("\n")
+        assert 3 <= n <= 5 and len(lines) == n + 1
+        for k, line in enumerate(lines[:-1], start=1):
+            assert line == f"{n - k + 1} left: {a + (k - 1) * b} + {b} = {a + k * b}"
+        assert p.answer == str(a + n * b) and lines[-1] == f"#### {p.answer}"
+        assert task.reward(p.solution, p) == 1.0
+
+
+def test_chain_reward_checks_every_line():
+    task = make_task("chain")
+    p = next(task.train_problems(0))
+    lines = p.solution.split("\n")
+    wrong = lines[:]
+    a, rest = wrong[1].split(" = ")
+    wrong[1] = f"{a} = {int(rest) + 1}"  # one wrong sum, the right final answer
+    assert task.reward("\n".join(wrong), p) == 0.0
+    assert make_task("chain:check_steps=false").reward("\n".join(wrong), p) == 1.0
+    assert task.reward("\n".join(lines[:-1] + ["#### 0"]), p) == 0.0
+
+
+def test_chain_split_is_by_skeleton_at_every_length():
+    short, long = make_task("chain:min_times=4,max_times=8"), make_task("chain:min_times=20,max_times=24")
+    for task in (short, long):
+        test = task.test_problems(100)
+        assert len(test) >= 80  # ~40 held-out skeletons of 405, in three phrasings
+        skeleton = lambda p: tuple(re.findall(r"\d+", p.question))  # (start, addend, times)
+        held_out = {skeleton(p) for p in test}
+        assert not held_out & {skeleton(p) for p in islice(task.train_problems(0), 3000)}
+    # the length knob sets the answer's length
+    mean_lines = lambda t: sum(len(p.solution.split("\n")) for p in t.test_problems(50)) / 50
+    assert mean_lines(short) < 10 < 20 < mean_lines(long)
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("chain:min_times=9,max_times=3", "min_times <= max_times"),
+    ("chain:max_add=0", "max_add must be >= 1"),
+    ("chain:loops=3", "unknown knob"),
+])
+def test_chain_bad_knobs(spec, message):
+    with pytest.raises(ValueError, match=message):
+        make_task(spec)

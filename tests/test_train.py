@@ -67,10 +67,14 @@ def test_each_preset_runs_a_step(tmp_path: Path, flow: str):
     Trainer(cfg, log=lambda s: None).run(progress=False)
     (row,) = read_metrics(tmp_path / flow / "metrics.jsonl")
     assert all(math.isfinite(row[k]) for k in METRIC_NAMES)
-    if flow == "fp8-rollout":  # the off-policy recipe: rollout and training disagree
-        assert row["token_mult_prob_error"] > 1.0
+    if flow == "fp8-rollout":  # the off-policy recipe: rollout and training disagree, per token and per answer
+        assert row["token_mult_prob_error"] > 1.0 and row["seq_log_ratio_abs_mean"] > 0.0
     else:
-        assert row["token_mult_prob_error"] == 1.0
+        assert row["token_mult_prob_error"] == 1.0 and row["seq_log_ratio_abs_max"] == 0.0
+    # only FP8 gradient transport reports what it flushed, for every decoder layer
+    flushed = {k for k in row if k.startswith("grad_")} - {"grad_norm"}
+    layers = {f"grad_flushed_frac.layer{i}" for i in range(4)}
+    assert flushed == ({"grad_flushed_frac", "grad_saturated_frac"} | layers if flow == "fp8-grads" else set())
 
 
 @pytest.mark.parametrize("micro_batches", [1, 2])

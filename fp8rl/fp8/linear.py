@@ -26,13 +26,14 @@ FP8 x): its blocks run along the token axis, which the fprop tiles do not.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from fp8rl.fp8.backends import Backend
-from fp8rl.fp8.formats import AMAX_FLOOR
+from fp8rl.fp8.formats import AMAX_FLOOR, get_format
 from fp8rl.fp8.quant import DerivedCache, QTensor, dequantize, quantize
 
 GEMM_PRECISIONS: tuple[str, ...] = ("bf16", "fp8")
@@ -81,6 +82,7 @@ class _Call:
     weight_bf16: torch.Tensor | None
     bf16_caches: tuple[dict, dict]  # converted forms of weight_bf16 and of its transpose
     name: str
+    transport_counts: torch.Tensor  # the layer's running TRANSPORT_COUNTS (an FP8 grad transport adds to it)
 
 
 def _fprop(x: torch.Tensor, bias: torch.Tensor | None, call: _Call) -> torch.Tensor:
@@ -95,6 +97,29 @@ def _fprop(x: torch.Tensor, bias: torch.Tensor | None, call: _Call) -> torch.Ten
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+
+# What an FP8 gradient transport loses, summed over a layer's backward calls (float64 counts):
+# entries sent, nonzero entries, nonzero entries flushed to zero (below half the smallest
+# E4M3 subnormal of their block's scale), entries saturated (clamped to the block's largest
+# FP8 value by more than rounding would move them: |x| / scale > max + half an ulp there;
+# with amax-derived scales this stays 0, and is counted to show it).
+TRANSPORT_COUNTS = ("entries", "nonzero", "flushed", "saturated")
+
+
+def transport_losses(x: torch.Tensor, sent: torch.Tensor, q: QTensor) -> torch.Tensor:
+    """float64 [4] of TRANSPORT_COUNTS for ``x`` [T, K] (FP32) sent as ``q``
+    (1x128 blocks; ``sent`` = dequantize(q))."""
+    f = get_format(q.fmt)
+    top = f.max + 2.0 ** math.floor(math.log2(f.max)) * torch.finfo(f.dtype).eps / 2  # 464 for E4M3
+    nonzero = x != 0
+    limit = (q.scale * top).repeat_interleave(q.block[1], dim=-1)[..., : x.shape[-1]]
+    return torch.stack([
+        torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device),
+        nonzero.sum().double(),
+        (nonzero & (sent == 0)).sum().double(),
+        (x.abs() > limit).sum().double(),
+    ])
 
 
 class _FP8LinearFn(torch.autograd.Function):
@@ -120,7 +145,10 @@ class _FP8LinearFn(torch.autograd.Function):
                 dx = backend.bf16_matmul(dy2, call.weight_bf16.T, call.bf16_caches[1], invariant=False)
             if plan.grad_transport == "fp8":
                 # The gradient handed to the previous op travels as 1x128 FP8.
-                dx = dequantize(quantize(dx, (1, 128), scale_fmt=fmt, name=f"{call.name} grad_input"))
+                qdx = quantize(dx, (1, 128), scale_fmt=fmt, name=f"{call.name} grad_input")
+                sent = dequantize(qdx)
+                call.transport_counts.add_(transport_losses(dx, sent, qdx))
+                dx = sent
             dx = dx.to(ctx.x_dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             if plan.wgrad == "fp8":
@@ -162,6 +190,7 @@ class FP8Linear(nn.Module):
         self.weight_bf16: torch.Tensor | None = None
         self._bf16_caches: tuple[dict, dict] = (DerivedCache(), DerivedCache())
         self._cache_key: tuple | None = None
+        self.transport_counts = torch.zeros(len(TRANSPORT_COUNTS), dtype=torch.float64, device=weight.device)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, plan: LinearPlan, name: str = "linear") -> "FP8Linear":
@@ -192,7 +221,7 @@ class FP8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.ensure_fresh()
-        call = _Call(self.plan, self.qweight, self.weight_bf16, self._bf16_caches, self.name)
+        call = _Call(self.plan, self.qweight, self.weight_bf16, self._bf16_caches, self.name, self.transport_counts)
         if not torch.is_grad_enabled():  # rollout / scoring: no autograd node to build
             return _fprop(x, self.bias, call)
         return _FP8LinearFn.apply(x, self.weight, self.bias, call)

@@ -15,6 +15,8 @@ Accepted sources:
 - `tiny-arith`: the built-in tiny policy, `fp8rl/assets/tiny-arith/`.
 - `tiny-moe`: its mixture-of-experts sibling (Mixtral-style, 4 experts, top-2),
   `fp8rl/assets/tiny-moe/`.
+- `tiny-chain`: the tiny policy of the `chain` task's long worked answers (up to
+  ~330 tokens), `fp8rl/assets/tiny-chain/`.
 
 Loading is strict: every tensor the model needs must be in the checkpoint with
 the right shape, and the checkpoint may hold nothing else. A bad input file
@@ -37,11 +39,14 @@ from .config import ModelConfig, read_json_object
 from .tokenizer import TOKENIZER_FILE, Tokenizer
 from .transformer import Transformer
 
-BUILTIN_MODELS = ("tiny-arith", "tiny-moe", "smollm2-135m-instruct")
+BUILTIN_MODELS = ("tiny-arith", "tiny-moe", "tiny-chain", "smollm2-135m-instruct")
 # How each built-in tiny policy is rebuilt (the command is also in its sft.json).
 _TINY_BUILDS = {
     "tiny-arith": "fp8rl sft --out {folder} --early-answer-noise 0.4",
     "tiny-moe": "fp8rl sft --out {folder} --early-answer-noise 0.4 --set sft.num_experts=4 --set sft.intermediate_size=128",
+    "tiny-chain": "fp8rl sft --task chain:min_times=4,max_times=32 --out {folder} --steps 600 --batch-size 32 "
+                  "--early-answer-noise 0.2 --set sft.attention_backend=cpu --set sft.max_position_embeddings=448 "
+                  "--eval-n 50 --max-new-tokens 360",
 }
 SMOLLM2_CACHE_NAME = "smollm2-135m-instruct-v1"  # bump when the conversion changes
 _ACCEPTED = (

@@ -10,6 +10,8 @@ import torch
 from torch import Tensor
 
 MISMATCH_METRICS = ("token_mult_prob_error", "max_abs_logprob_diff", "mean_abs_logprob_diff", "gen_kl")
+# The same mismatch per answer (`sequence_mismatch`): what grows with answer length.
+SEQUENCE_METRICS = ("seq_log_ratio_abs_mean", "seq_log_ratio_abs_max", "seq_ratio_off_2x_frac")
 # Mixture-of-experts models: rollout and training choosing different experts (0.0 for dense models).
 ROUTING_METRICS = ("routing_mismatch",)
 IS_METRICS = ("is_weight_mean", "is_weight_max", "is_clip_frac")
@@ -20,7 +22,7 @@ TIMING_METRICS = (
     "time_rollout_s", "time_train_s", "time_sync_s", "time_step_s", "rollout_tokens_per_s", "peak_mem_bytes",
 )
 # Every per-step metric a `metrics.jsonl` line carries (besides `step`).
-METRIC_NAMES = MISMATCH_METRICS + ROUTING_METRICS + IS_METRICS + TRAIN_METRICS + TIMING_METRICS
+METRIC_NAMES = MISMATCH_METRICS + SEQUENCE_METRICS + ROUTING_METRICS + IS_METRICS + TRAIN_METRICS + TIMING_METRICS
 
 
 def mismatch_metrics(logp_train: Tensor, logp_rollout: Tensor, mask: Tensor) -> dict[str, float]:

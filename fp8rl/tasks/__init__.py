@@ -1,10 +1,11 @@
 """Math tasks with verifiable answers: what the policy is asked, and what counts as right.
 
 A task hands out `Problem`s in GSM8K form: a question, a worked solution whose
-last line is `#### N`, and the canonical final answer `N`. Three sources:
+last line is `#### N`, and the canonical final answer `N`. Four sources:
 
     make_task("arith")                           built-in synthetic arithmetic (default)
     make_task("arith:steps=3,max_operand=50")    ... with difficulty knobs
+    make_task("chain:min_times=28,max_times=36") built-in long worked answers (length is the knob)
     make_task("gsm8k:data/train.jsonl")          a GSM8K-format JSONL or Parquet file
     make_task("gsm8k:train.jsonl,test=test.jsonl")
     make_task("reasoning-gym:gsm_symbolic")      a reasoning-gym generator (optional extra)
@@ -17,8 +18,9 @@ Every task keeps its held-out problems disjoint from its training stream, so
 from __future__ import annotations
 
 import hashlib
+import random
 from dataclasses import dataclass
-from typing import Any, Iterator, Protocol, runtime_checkable
+from typing import Any, Callable, Iterator, Protocol, runtime_checkable
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,45 @@ def in_test_split(key: str, test_fraction: float) -> bool:
     return int.from_bytes(digest, "big") / 2.0**64 < test_fraction
 
 
+# A generated task's draw: one random problem and its skeleton key (what the split
+# hashes), or None on a dead end of the knobs.
+Draw = Callable[[random.Random], "tuple[Problem, str] | None"]
+
+
+def train_stream(draw: Draw, seed: int, test_fraction: float, what: str) -> Iterator[Problem]:
+    """Endless stream of `draw`'s problems outside the test split; the same seed
+    gives the same stream. `what` names the task and its knobs in the error
+    raised when 10,000 draws in a row find no training problem."""
+    rng = random.Random(seed)
+    misses = 0
+    while True:
+        drawn = draw(rng)
+        if drawn is None or in_test_split(drawn[1], test_fraction):
+            misses += 1
+            if misses > 10_000:
+                raise RuntimeError(f"{what} leave no training problems")
+            continue
+        misses = 0
+        yield drawn[0]
+
+
+def held_out(draw: Draw, n: int, test_fraction: float, test_seed: str) -> list[Problem]:
+    """The first `n` distinct (by question) problems of the test split drawn from
+    `random.Random(test_seed)`; fewer only if the knobs allow fewer (a long run of
+    draws with nothing new)."""
+    rng = random.Random(test_seed)
+    found: dict[str, Problem] = {}
+    misses = 0
+    while len(found) < n and misses < 10_000:
+        drawn = draw(rng)
+        if drawn is None or not in_test_split(drawn[1], test_fraction) or drawn[0].question in found:
+            misses += 1
+        else:
+            found[drawn[0].question] = drawn[0]
+            misses = 0
+    return list(found.values())
+
+
 def parse_value(text: str) -> bool | int | float | str:
     """Guess the type of a spec value: true/false, an int, a float, else the string."""
     lowered = text.strip().lower()
@@ -114,6 +155,7 @@ def parse_options(text: str, spec: str) -> dict[str, str]:
 SPEC_FORMS = (
     "arith",
     "arith:key=val,...  (knobs: steps, max_operand, max_factor, ops, allow_negative, test_fraction)",
+    "chain:key=val,...  (knobs: min_times, max_times, max_start, max_add, test_fraction, check_steps)",
     "gsm8k:PATH[,test=TEST_PATH][,test_fraction=F][,strip_calculator=false]  (PATH: .jsonl or .parquet)",
     "reasoning-gym:NAME[,key=val,...]  (needs pip install fp8rl[reasoning-gym])",
 )
@@ -133,6 +175,10 @@ def make_task(spec: str, **kwargs: Any) -> Task:
         from fp8rl.tasks.arithmetic import ArithTask
 
         return ArithTask.from_options({**parse_options(rest, spec), **kwargs})
+    if kind == "chain":
+        from fp8rl.tasks.chain import ChainTask
+
+        return ChainTask.from_options({**parse_options(rest, spec), **kwargs})
     if kind == "gsm8k":
         from fp8rl.tasks.gsm8k import load_gsm8k
 

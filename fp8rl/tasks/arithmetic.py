@@ -22,7 +22,7 @@ import random
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Iterator
 
-from fp8rl.tasks import Problem, coerce, in_test_split
+from fp8rl.tasks import Problem, coerce, held_out, train_stream
 from fp8rl.tasks.rewards import MAX_DIGITS
 from fp8rl.tasks.rewards import reward as final_answer_reward
 from fp8rl.tasks.rewards import steps_reward
@@ -168,34 +168,11 @@ class ArithTask:
 
     def train_problems(self, seed: int) -> Iterator[Problem]:
         """Endless stream of training problems; the same seed gives the same stream."""
-        rng = random.Random(seed)
-        misses = 0
-        while True:
-            drawn = self._draw(rng)
-            if drawn is None or in_test_split(drawn[1], self.test_fraction):
-                misses += 1
-                if misses > 10_000:
-                    raise RuntimeError(f"arith: knobs {self.describe()} leave no training problems")
-                continue
-            misses = 0
-            yield drawn[0]
+        return train_stream(self._draw, seed, self.test_fraction, f"arith: knobs {self.describe()}")
 
     def test_problems(self, n: int) -> list[Problem]:
         """The first `n` distinct held-out problems (fewer only if the knobs allow fewer)."""
-        rng = random.Random(TEST_SEED)
-        found: dict[str, Problem] = {}
-        misses = 0
-        # A long run of draws with nothing new means the knobs allow no more.
-        while len(found) < n and misses < 10_000:
-            drawn = self._draw(rng)
-            if drawn is None or not in_test_split(drawn[1], self.test_fraction):
-                misses += 1
-            elif drawn[0].question in found:
-                misses += 1
-            else:
-                found[drawn[0].question] = drawn[0]
-                misses = 0
-        return list(found.values())
+        return held_out(self._draw, n, self.test_fraction, TEST_SEED)
 
     def describe(self) -> dict[str, Any]:
         return asdict(self)

@@ -117,8 +117,8 @@ class SFTConfig:
     early_answer_noise: float = 0.0
     eval_n: int = 500  # held-out problems evaluated at the end
     # Backend of the attention products while training: "reference" (float64, how the
-    # built-in policies were made) or a batch-invariant FP32 one ("cpu", "amx"), several
-    # times faster on long sequences (the `chain` policy's ~350-token solutions).
+    # built-in policies were made) or a batch-invariant FP32 one ("cpu", "amx"), for long
+    # solutions (tiny-chain's, up to ~330 tokens), where float64 attention dominates a step.
     attention_backend: str = "reference"
     max_new_tokens: int = 48  # generation budget of that evaluation
     # tiny-policy architecture (used only when building from scratch)

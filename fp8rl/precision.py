@@ -312,36 +312,43 @@ def refresh_weights(module: nn.Module) -> int:
     return n
 
 
-
 def take_grad_transport_counts(module: nn.Module) -> dict[str, list[float]]:
     """The TRANSPORT_COUNTS of every decoder layer's FP8Linears since the last
     call, ``{"layer{i}": [entries, nonzero, flushed, saturated]}`` (the gradient
     leaving layer i's linears; other linears under ``"other"``), then the counts
     restart. Empty when no gradient travelled in FP8 (only ``fp8-grads`` sends
-    it so). Plain lists, so ranks can gather and add them."""
-    out: dict[str, list[float]] = {}
+    it so). Plain lists, so ranks can gather them for ``grad_transport_stats``."""
+    per_linear = []
     for layer in fp8_linears(module):
         counts = layer.transport_counts.tolist()
         layer.transport_counts.zero_()
-        if counts[0] == 0:
-            continue
-        found = re.search(r"layers\.(\d+)\.", layer.name)
-        key = f"layer{found.group(1)}" if found else "other"
-        out[key] = [a + b for a, b in zip(out.get(key, [0.0] * len(TRANSPORT_COUNTS)), counts)]
+        if counts[0]:
+            found = re.search(r"layers\.(\d+)\.", layer.name)
+            per_linear.append({f"layer{found.group(1)}" if found else "other": counts})
+    return _summed(per_linear)
+
+
+def _summed(parts: list[dict[str, list[float]]]) -> dict[str, list[float]]:
+    """Count lists added key by key."""
+    out: dict[str, list[float]] = {}
+    for part in parts:
+        for key, counts in part.items():
+            out[key] = [a + b for a, b in zip(out.get(key, [0.0] * len(counts)), counts)]
     return out
 
 
-def grad_transport_stats(counts: dict[str, list[float]]) -> dict[str, float]:
-    """Metrics of ``take_grad_transport_counts``'s counts (summed over ranks):
+def grad_transport_stats(per_rank: list[dict[str, list[float]]]) -> dict[str, float]:
+    """Metrics of the ranks' ``take_grad_transport_counts`` (summed over ranks):
     ``grad_flushed_frac``, the share of nonzero gradient entries that arrived
     as zero (below the smallest E4M3 subnormal of their 1x128 block's scale:
     the underflow that makes FP8 gradients stall or collapse training);
     ``grad_saturated_frac``, the share of all entries sent that were clamped to
     their block's largest FP8 value; ``grad_flushed_frac.layer{i}`` per layer.
-    Empty for empty counts."""
+    Empty when nothing was counted."""
+    counts = _summed(per_rank)
     if not counts:
         return {}
-    entries, nonzero, flushed, saturated = (sum(c[j] for c in counts.values()) for j in range(len(TRANSPORT_COUNTS)))
+    entries, nonzero, flushed, saturated = map(sum, zip(*counts.values()))
     stats = {"grad_flushed_frac": flushed / max(nonzero, 1.0), "grad_saturated_frac": saturated / max(entries, 1.0)}
     for key in sorted(counts, key=lambda k: (k == "other", int(k[5:]) if k != "other" else 0)):
         stats[f"grad_flushed_frac.{key}"] = counts[key][2] / max(counts[key][1], 1.0)

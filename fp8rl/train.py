@@ -558,11 +558,7 @@ class Trainer:
             res.grad_norms.append(float(grad_norm))
             res.clip_fracs.append(math.fsum(u[1] for u in every) / max(n_tokens, 1))
             res.entropies.append(math.fsum(u[2] for u in every) / max(n_tokens, 1))
-        counts: dict[str, list[float]] = {}
-        for rank_counts in self.world.gather_objects(take_grad_transport_counts(self.model)):
-            for key, c in rank_counts.items():
-                counts[key] = [a + b for a, b in zip(counts.get(key, [0.0] * len(c)), c)]
-        res.grad_transport = grad_transport_stats(counts)
+        res.grad_transport = grad_transport_stats(self.world.gather_objects(take_grad_transport_counts(self.model)))
         return res
 
     def _backward(self, loss: torch.Tensor) -> bool:

@@ -19,8 +19,10 @@ function of the global configuration, not of the world size N:
   running sum passed from rank to rank, `GradientSum`), then rounded once to
   FP32: the one-process additions in the one-process order, so 1 and N ranks
   give the same bits (tests/test_distributed.py);
-- the master weights and AdamW state are sharded with FSDP2 (`fully_shard`,
-  Shard(0) DTensors): each rank steps its shard; the updated shards are
+- the master weights, AdamW state and summed gradient are sharded with FSDP2
+  (`fully_shard`, Shard(0) DTensors): the last rank of the running sum sends
+  each rank only its rows of the summed gradient and the norm for clipping,
+  and each rank steps its shard; the updated shards are
   all-gathered into the rank's compute model, whose weights every rank's
   rollout needs whole anyway, and quantized there once per optimizer step.
   Checkpoints hold the optimizer state as torch.distributed.checkpoint shards
@@ -222,23 +224,28 @@ REDUCE_PIECE = 1 << 22
 class GradientSum:
     """A micro-batch's gradient: its chunks' FP32 gradients summed in chunk order in
     float64 (the first term kept as it is: one term is its own sum), rounded once
-    to FP32, the same bits on any number of ranks.
+    to FP32, the same bits on any number of ranks; and its global L2 norm, as
+    torch's `clip_grad_norm_` computes it in one process.
 
     One process adds each chunk's gradient as its backward ends (`add()`). On N
     ranks, rank r holds chunks [r*m, (r+1)*m) of the micro-batch (`rank_groups`);
     `reduce()` passes the running float64 sum along the ranks: rank r receives the
     sum of the chunks before its own from rank r-1, adds its own in order, sends
-    the sum on, and the last rank rounds the total to FP32 and broadcasts it.
-    Every addition is the one-process addition, in its order, so the result does
-    not depend on N even where a float64 addition rounds (terms spanning more than
-    2**29, as the gradients of a mixture-of-experts router's unchosen experts
-    can). The flat gradient travels in pieces of at most `piece` elements, one
-    after another (additions are elementwise, so pieces change no bits): a rank
-    holds one float64 piece at a time, never a float64 copy of the whole
-    gradient, except rank 0 (and one process), which sums its own chunks as they
-    come, in float64 once it has two. A rank r > 0 keeps its m chunks' FP32
-    gradients until the running sum arrives (m = 1 when N = grad_chunks: one, as
-    one process holds)."""
+    the sum on, and the last rank rounds the total to FP32. Every addition is the
+    one-process addition, in its order, so the result does not depend on N even
+    where a float64 addition rounds (terms spanning more than 2**29, as the
+    gradients of a mixture-of-experts router's unchosen experts can).
+
+    The flat gradient travels in pieces of at most `piece` elements, one after
+    another (additions are elementwise, so pieces change no bits): a rank holds
+    one float64 piece at a time, never a float64 copy of the whole gradient,
+    except rank 0 (and one process), which sums its own chunks as they come, in
+    float64 once it has two. A rank's chunk gradients are dropped parameter by
+    parameter as the running sum passes them. As each parameter's sum completes,
+    the last rank takes its norm and sends every rank only its rows of it
+    (`row_shard`: FSDP2's Shard(0) split, what the rank's master shard steps), so
+    no rank holds the whole summed gradient; the norm of the whole, from the
+    per-parameter norms in parameter order, is broadcast."""
 
     def __init__(self, params: list[nn.Parameter], world: World, piece: int = REDUCE_PIECE) -> None:
         if len({p.dtype for p in params}) > 1:
@@ -262,15 +269,21 @@ class GradientSum:
         else:
             self.pending.append(grads)
 
-    def reduce(self) -> None:
-        """Every rank's `.grad` := the micro-batch's summed gradient, in FP32."""
+    def reduce(self) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The micro-batch's summed FP32 gradient, this rank's part of it per
+        parameter (one process: the whole; N ranks: `row_shard` of it), and the
+        L2 norm of the whole gradient (a 0-dim FP32 tensor, the same on every rank)."""
         w = self.world
+        dtype = self.params[0].dtype
         if w.size == 1:
-            for p, a in zip(self.params, self.acc):
-                p.grad = torch.zeros_like(p) if a is None else a.reshape(p.shape).to(p.dtype)
+            grads = [torch.zeros_like(p) if a is None else a.reshape(p.shape).to(dtype)
+                     for p, a in zip(self.params, self.acc)]
             self.acc = [None] * len(self.params)
-            return
-        out = [torch.empty_like(p) for p in self.params]
+            return grads, global_norm([torch.linalg.vector_norm(g) for g in grads])
+        last = w.size - 1
+        mine: list[torch.Tensor | None] = [None] * len(self.params)
+        norms: list[torch.Tensor] = []  # the last rank's, per parameter, in parameter order
+        summing: dict[int, torch.Tensor] = {}  # the last rank's: a parameter's FP32 sum until it completes
         for segments in self.pieces:
             sizes = [stop - start for _, start, stop in segments]
             running = torch.zeros(sum(sizes), dtype=torch.float64)
@@ -285,15 +298,55 @@ class GradientSum:
                     for (i, start, stop), part in zip(segments, parts):
                         if grads[i] is not None:
                             part.add_(grads[i].reshape(-1)[start:stop].to(torch.float64))
-            if w.rank < w.size - 1:
+            finished = [i for i, _, stop in segments if stop == self.params[i].numel()]
+            for i in finished:  # this rank's terms of parameter i are in the running sum now
+                self.acc[i] = None
+                for grads in self.pending:
+                    grads[i] = None
+            if w.rank < last:
                 w.send(running, w.rank + 1)
-            total = w.broadcast(running.to(self.params[0].dtype), w.size - 1)  # rounded once, on the last rank
+                for i in finished:
+                    mine[i] = torch.empty(row_shard(torch.empty(self.params[i].shape, device="meta"), w.size, w.rank).shape,
+                                          dtype=dtype)
+                    if mine[i].numel():
+                        w.recv(mine[i], last)
+                continue
+            total = running.to(dtype)  # rounded once, on the last rank
             for (i, start, stop), part in zip(segments, total.split(sizes)):
-                out[i].view(-1)[start:stop].copy_(part)
-        for p, g in zip(self.params, out):
-            p.grad = g
-        self.acc = [None] * len(self.params)
+                summing.setdefault(i, torch.empty(self.params[i].numel(), dtype=dtype))[start:stop].copy_(part)
+            for i in finished:
+                whole = summing.pop(i).view(self.params[i].shape)
+                norms.append(torch.linalg.vector_norm(whole))
+                for r in range(last):
+                    rows = row_shard(whole, w.size, r)
+                    if rows.numel():
+                        w.send(rows.contiguous(), r)
+                mine[i] = row_shard(whole, w.size, last).clone()
+        norm = global_norm(norms) if w.rank == last else torch.zeros((), dtype=dtype)
         self.pending = []
+        return [g for g in mine if g is not None], w.broadcast(norm, last)
+
+
+def global_norm(norms: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of a gradient from its parameters' L2 norms, in parameter order:
+    what `torch.nn.utils.clip_grad_norm_` computes on the CPU (its per-tensor norms
+    are `vector_norm`s there; tested bit for bit)."""
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def clip_(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
+    """Scale `grads` in place by min(1, max_norm / (norm + 1e-6)), as
+    `clip_grad_norm_` does: elementwise, so a rank's rows are scaled as the whole is."""
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef)
+
+
+def row_shard(t: torch.Tensor, n: int, r: int) -> torch.Tensor:
+    """Rank r's rows of `t` under FSDP2's Shard(0) on n ranks: `torch.chunk(t, n)[r]`,
+    empty past the last chunk (as DTensor pads its shards)."""
+    chunks = t.chunk(n, dim=0)
+    return chunks[r] if r < len(chunks) else t[t.shape[0]:]
 
 
 def _pieces(sizes: list[int], piece: int) -> list[list[tuple[int, int, int]]]:
@@ -319,10 +372,10 @@ class ShardedMaster:
 
     `fully_shard` is applied to a copy of the model (each decoder layer, then
     the root): its parameters become Shard(0) DTensors and AdamW's state is
-    created on those shards. `step()` takes the compute model's full, already
-    reduced and clipped `.grad`s, steps each rank's shard, and all-gathers the
-    updated weights back into the compute model. AdamW is elementwise, so the
-    sharded step gives the bits of the unsharded one."""
+    created on those shards. `step()` takes this rank's rows of the reduced and
+    clipped gradient (`GradientSum`), steps the rank's shard, and all-gathers
+    the updated weights back into the compute model. AdamW is elementwise, so
+    the sharded step gives the bits of the unsharded one."""
 
     def __init__(self, model: nn.Module, optimizer_kwargs: dict[str, Any]) -> None:
         from torch.distributed.fsdp import fully_shard
@@ -336,9 +389,15 @@ class ShardedMaster:
         self.shards = [p for p in self.master.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.shards, **optimizer_kwargs)
 
-    def step(self) -> None:
-        for c, s in zip(self.compute, self.shards):
-            s.grad = _shard_of(c.grad, s)
+    def step(self, grads: list[torch.Tensor]) -> None:
+        """One AdamW step of this rank's shards on `grads`, its rows of each
+        parameter's gradient (`row_shard`), then `pull()`."""
+        from torch.distributed.tensor import DTensor
+
+        for s, g in zip(self.shards, grads, strict=True):
+            if g.shape != s.to_local().shape:
+                raise RuntimeError(f"gradient rows {tuple(g.shape)} for a shard of {tuple(s.to_local().shape)}")
+            s.grad = DTensor.from_local(g, s.device_mesh, s.placements, run_check=False, shape=s.shape, stride=s.stride())
         self.optimizer.step()  # local: each rank its shard
         self.optimizer.zero_grad(set_to_none=True)
         self.pull()

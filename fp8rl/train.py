@@ -55,6 +55,7 @@ from fp8rl.distributed import (
     GradientSum,
     ShardedMaster,
     World,
+    clip_,
     gather_global,
     global_row_order,
     group_rows,
@@ -550,8 +551,8 @@ class Trainer:
                 grads.add()
                 ent_sum = float(torch.where(sub.completion_mask, ent.detach(), 0).double().sum())
                 units.append((float(loss.detach()), stats["n_clipped"], ent_sum))
-            grads.reduce()
-            grad_norm = self._clip_and_step(finite and not self.world.any(not finite))
+            summed, norm = grads.reduce()
+            grad_norm = self._clip_and_step(summed, norm, finite and not self.world.any(not finite))
             refresh_weights(self.model)  # quantize once per optimizer step
             every = [u for rank_units in self.world.gather_objects(units) for u in rank_units]
             res.losses.append(math.fsum(u[0] for u in every))
@@ -572,26 +573,29 @@ class Trainer:
             return False
         return True
 
-    def _clip_and_step(self, finite: bool) -> torch.Tensor:
-        """Clip the reduced gradient and step AdamW; a non-finite loss or gradient
-        on any rank skips the step (and `max_bad_steps` of them in a row stop the
-        run). Returns the grad norm (every rank holds the whole gradient, so
-        every rank computes the one-process norm)."""
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.grad_clip)
-        if finite and torch.isfinite(grad_norm):
+    def _clip_and_step(self, grads: list[torch.Tensor], norm: torch.Tensor, finite: bool) -> torch.Tensor:
+        """Clip the reduced gradient (`grads`: this rank's part of it, `norm`: the
+        whole's) and step AdamW; a non-finite loss or gradient on any rank skips
+        the step (and `max_bad_steps` of them in a row stop the run). Returns the
+        grad norm, the one-process norm on every rank."""
+        if finite and torch.isfinite(norm):
             self.bad_steps = 0
-            (self.master or self.optimizer).step()
-            for p in self.params:
-                p.grad = None
-            return grad_norm
-        for p in self.params:
-            p.grad = None
+            clip_(grads, norm, self.cfg.train.grad_clip)
+            if self.master:
+                self.master.step(grads)
+            else:
+                for p, g in zip(self.params, grads, strict=True):
+                    p.grad = g
+                self.optimizer.step()
+                for p in self.params:
+                    p.grad = None
+            return norm
         self.bad_steps += 1
         self.skipped_steps += 1
         self.log(f"step {self.step}: non-finite loss or gradient, optimizer step skipped")
         if self.bad_steps >= self.cfg.train.max_bad_steps:
             raise TrainingError(f"{self.bad_steps} non-finite optimizer steps in a row; stopping")
-        return grad_norm if finite else torch.tensor(float("nan"))
+        return norm if finite else torch.tensor(float("nan"))
 
     def _calibrate(self, out: Rollout) -> None:
         """Recalibrate the FP8 Q/K/V scales on this step's sequences of all ranks

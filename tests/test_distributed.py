@@ -15,7 +15,18 @@ import torch
 from safetensors.torch import load_file
 
 from fp8rl.checkpoint import checkpoint_path
-from fp8rl.distributed import REDUCE_PIECE, DistributedError, GradientSum, World, gather_global, global_row_order, rank_groups
+from fp8rl.distributed import (
+    REDUCE_PIECE,
+    DistributedError,
+    GradientSum,
+    World,
+    clip_,
+    gather_global,
+    global_row_order,
+    global_norm,
+    rank_groups,
+    row_shard,
+)
 from fp8rl.rollout.engine import Rollout
 
 # Metrics that are measurements of the machine, not of the run.
@@ -99,17 +110,19 @@ def test_global_row_order_puts_gathered_rows_back_in_one_process_order():
     assert gather_global(torch.arange(3), perm, World()).tolist() == [0, 1, 2]  # one process: as is
 
 
-def _gradient_sums(chunks: list[torch.Tensor], world_size: int, piece: int = REDUCE_PIECE) -> list[torch.Tensor]:
+def _gradient_sums(chunks: list[torch.Tensor], world_size: int, piece: int = REDUCE_PIECE,
+                   split: tuple[int, ...] = (600,)) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """`GradientSum` of `chunks` (one micro-batch's chunk gradients, in order) on
     `world_size` ranks run as threads, each with its contiguous share, their
-    point-to-point messages and broadcast through queues, the gradient split over
-    two parameters (the first 600 elements and the rest) and reduced in pieces of
-    `piece` elements. Each rank's gradient, flattened."""
+    point-to-point messages and broadcast through queues, the gradient split into
+    parameters at `split` (e.g. the first 600 elements and the rest) and reduced in
+    pieces of `piece` elements. Per rank: its rows of the summed gradient, flattened
+    (the parameters' row shards one after another), and the norm it got."""
     import queue
     import threading
 
     boxes = {(a, b): queue.Queue() for a in range(world_size) for b in range(world_size)}
-    results: dict[int, torch.Tensor] = {}
+    results: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     class Relay(World):
         def send(self, t, dst):
@@ -127,40 +140,55 @@ def _gradient_sums(chunks: list[torch.Tensor], world_size: int, piece: int = RED
             return t.copy_(boxes[(src, self.rank)].get(timeout=30))
 
     m = len(chunks) // world_size
+    sizes = [b - a for a, b in zip((0, *split), (*split, chunks[0].numel()))]
 
     def rank(r: int) -> None:
-        ps = [torch.nn.Parameter(torch.zeros(600)), torch.nn.Parameter(torch.zeros(chunks[0].numel() - 600))]
+        ps = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
         acc = GradientSum(ps, Relay(r, world_size), piece)
         for g in chunks[r * m : (r + 1) * m]:
-            for p, part in zip(ps, g.split([600, g.numel() - 600])):
+            for p, part in zip(ps, g.split(sizes)):
                 p.grad = part.clone()
             acc.add()
             assert all(p.grad is None for p in ps)
-        acc.reduce()
-        results[r] = torch.cat([p.grad for p in ps])
+        grads, norm = acc.reduce()
+        assert [g.shape for g in grads] == [row_shard(p, world_size, r).shape for p in ps]
+        results[r] = (torch.cat(grads), norm)
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(world_size)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=60)
-    return [results[r] for r in range(world_size)]
+    return [results[r][0] for r in range(world_size)], [results[r][1] for r in range(world_size)]
+
+
+def _whole(rows: list[torch.Tensor], world_size: int, sizes: list[int]) -> torch.Tensor:
+    """The flat gradient from every rank's row shards (parameters of `sizes` elements)."""
+    per_rank = [r.split([row_shard(torch.empty(n), world_size, k).numel() for n in sizes]) for k, r in enumerate(rows)]
+    return torch.cat([torch.cat([per_rank[k][i] for k in range(world_size)]) for i in range(len(sizes))])
 
 
 def test_gradient_sum_is_the_same_on_any_number_of_ranks():
     """The one-process float64 additions in the one-process order on 1, 2 and 4
     ranks, including additions that round in float64 (terms 2**60 apart, as an
     MoE router's unchosen experts give): a sum of per-rank partial sums (what an
-    all-reduce computes) differs there, so the check can fail."""
+    all-reduce computes) differs there, so the check can fail. Each rank gets only
+    its rows, which together are the whole; every rank gets the one-process norm."""
     torch.manual_seed(0)
     chunks = [torch.randn(1000) * 10.0 ** torch.randint(-3, 3, (1,)).item() for _ in range(4)]
     for c, v in zip(chunks, (1.0, 2.0**-60, -1.0, 2.0**-60)):
         c[0] = v
-    one = _gradient_sums(chunks, 1)[0]
+    (one,), (one_norm,) = _gradient_sums(chunks, 1)
     assert one[0] == 2.0**-60  # ((1 + 2**-60) + -1) + 2**-60 in float64
     for n in (2, 4):
         for piece in (REDUCE_PIECE, 1000, 600, 7):  # one piece; piece = a parameter; pieces across both
-            assert all(torch.equal(g, one) for g in _gradient_sums(chunks, n, piece)), (n, piece)
+            for split in ((600,), (1, 2, 600)):  # parameters of 1 and 2 elements: ranks with no rows
+                rows, norms = _gradient_sums(chunks, n, piece, split)
+                sizes = [b - a for a, b in zip((0, *split), (*split, 1000))]
+                assert torch.equal(_whole(rows, n, sizes), one), (n, piece, split)
+                assert all(torch.equal(x, one_norm) for x in norms), (n, piece, split)
+                if split == (600,):
+                    assert all(r.numel() == 1000 // n for r in rows)  # no rank holds more than its share
     partials = (chunks[0].double() + chunks[1].double()) + (chunks[2].double() + chunks[3].double())
     assert partials[0] == 0.0 and not torch.equal(partials.float(), one)
     fp32 = sum(chunks[1:], chunks[0].clone())
@@ -172,8 +200,39 @@ def test_gradient_sum_of_one_term_is_that_term_and_missing_terms_are_zero():
     acc = GradientSum([p, q], World())
     p.grad = torch.tensor([0.1, -2.5, 3e-30])
     acc.add()  # q has no gradient (an expert no token chose)
-    acc.reduce()
-    assert p.grad.tolist() == torch.tensor([0.1, -2.5, 3e-30]).tolist() and q.grad.tolist() == [0.0, 0.0]
+    (gp, gq), _ = acc.reduce()
+    assert gp.tolist() == torch.tensor([0.1, -2.5, 3e-30]).tolist() and gq.tolist() == [0.0, 0.0]
+
+
+def test_norm_and_clipping_are_torchs_clip_grad_norm_bit_for_bit():
+    """The trainer clips with `global_norm` + `clip_` (so that a rank holding only
+    its rows can clip them): the bits of `torch.nn.utils.clip_grad_norm_` on the CPU,
+    norm and clipped gradients, for a clipping and a non-clipping max norm."""
+    torch.manual_seed(0)
+    for max_norm in (0.5, 1e9):
+        ps = [torch.nn.Parameter(torch.zeros(s)) for s in ((7, 5), (1000,), (3, 129), (1,))]
+        grads = [torch.randn(p.shape) * 10.0 ** torch.randint(-4, 2, (1,)).item() for p in ps]
+        for p, g in zip(ps, grads):
+            p.grad = g.clone()
+        want = torch.nn.utils.clip_grad_norm_(ps, max_norm)
+        norm = global_norm([torch.linalg.vector_norm(g) for g in grads])
+        rows = [row_shard(g, 2, 1).clone() for g in grads]  # a rank's rows, clipped alone
+        clip_(grads, norm, max_norm)
+        assert torch.equal(norm, want)
+        assert all(torch.equal(g, p.grad) for g, p in zip(grads, ps))
+        clip_(rows, norm, max_norm)
+        assert all(torch.equal(r, row_shard(p.grad, 2, 1)) for r, p in zip(rows, ps))
+
+
+def test_row_shard_is_fsdp2s_shard0_split():
+    """`row_shard` is the split of FSDP2's Shard(0) placement, empty ranks included."""
+    from torch.distributed.tensor import Shard
+
+    for rows, n in ((10, 2), (7, 4), (3, 4), (1, 2), (129, 8)):
+        t = torch.arange(rows * 3).reshape(rows, 3)
+        want, _ = Shard(0)._split_tensor(t, n, with_padding=False)
+        for r in range(n):
+            assert torch.equal(row_shard(t, n, r), want[r]), (rows, n, r)
 
 
 def test_padded_rollout_keeps_its_rows():

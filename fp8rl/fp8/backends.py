@@ -341,25 +341,33 @@ def _tiled_rows(
     """``gemm`` over the rows (dim -2) of ``a`` in calls of exactly ``tiles.tile_for``
     rows (an input that fits one) or ``tiles.big`` rows, zero-padded; the result in
     ``out_dtype`` (default: ``gemm``'s). ``tiles.batched``: one call on
-    ``[..., tiles, rows, K]``; else one call per tile, each written once into the result."""
+    ``[..., tiles, rows, K]``; else one call per tile, each written once into the
+    result, and only the last tile is copied to be padded (a long attention
+    operand, ``[..., T, T]``, is not)."""
     m = a.shape[-2]
     tile = tiles.tile_for(m)
-    pad = -m % tile
-    if pad:
-        a = torch.cat([a, a.new_zeros(*a.shape[:-2], pad, a.shape[-1])], dim=-2)
     if tiles.batched:
+        pad = -m % tile
+        if pad:
+            a = torch.cat([a, a.new_zeros(*a.shape[:-2], pad, a.shape[-1])], dim=-2)
         out = gemm(a.unflatten(-2, (-1, tile))).flatten(-3, -2)
         out = out[..., :m, :] if pad else out
         return out if out_dtype is None else out.to(out_dtype)
-    first = gemm(a[..., :tile, :])
-    if a.shape[-2] == tile:
-        out = first[..., :m, :] if pad else first
+
+    def rows_from(r: int) -> torch.Tensor:  # the call's input: rows r .. r + tile, zero-padded
+        x = a[..., r : r + tile, :]
+        n = x.shape[-2]
+        return x if n == tile else torch.cat([x, x.new_zeros(*x.shape[:-2], tile - n, x.shape[-1])], dim=-2)
+
+    first = gemm(rows_from(0))
+    if m <= tile:
+        out = first[..., :m, :] if m < tile else first
         return out if out_dtype is None else out.to(out_dtype)
     out = first.new_empty(*first.shape[:-2], m, first.shape[-1], dtype=out_dtype or first.dtype)
     out[..., :tile, :] = first
     for r in range(tile, m, tile):
         n = min(tile, m - r)
-        out[..., r : r + n, :] = gemm(a[..., r : r + tile, :])[..., :n, :]
+        out[..., r : r + n, :] = gemm(rows_from(r))[..., :n, :]
     return out
 
 

@@ -121,6 +121,7 @@ class AttentionContext:
 
     positions: LongTensor[B, T]   RoPE position of each query token
     mask:      BoolTensor[B, 1, T, L]  True where query t may attend key slot l
+    blocked:   BoolTensor[B, 1, T, L]  ~mask, made once for every layer's attention
     start:     int                 slot of the first query token (cache write offset)
     cache:     KV cache or None    None: keys/values are this call's own, padded to L
     amax:      dict or None        calibration: per layer, the per-token Q/K/V amax
@@ -130,6 +131,7 @@ class AttentionContext:
 
     positions: torch.Tensor
     mask: torch.Tensor
+    blocked: torch.Tensor
     start: int
     cache: KVCacheLike | None = None
     amax: dict[int, dict[str, list[torch.Tensor]]] | None = None
@@ -163,8 +165,9 @@ def make_context(
     causal = keys[None, None, :] <= slots[None, :, None]  # [1, T, L]
     valid = keys[None, None, :] >= pad_left[:, None, None]  # [B, 1, L]
     own = keys[None, None, :] == slots[None, :, None]  # [1, T, L]
-    mask = (causal & valid) | own  # [B, T, L]
-    return AttentionContext(positions=positions, mask=mask[:, None], start=start, cache=cache, amax=amax, routing=routing)
+    mask = ((causal & valid) | own)[:, None]  # [B, 1, T, L]
+    return AttentionContext(positions=positions, mask=mask, blocked=~mask, start=start, cache=cache, amax=amax,
+                            routing=routing)
 
 
 class RMSNorm(nn.Module):
@@ -206,11 +209,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None] + rotated * sin[:, None]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
     """Softmax attention over a static number of key slots, with grouped KV heads.
 
     q [B, H, T, D]; k, v [B, Hkv, L, D] (query head h reads KV head h // (H/Hkv));
-    mask [B, 1, T, L] -> [B, H, T, D].
+    blocked [B, 1, T, L] (True: query t may not attend key slot l) -> [B, H, T, D].
     The two products are the plan's backend's (`attention_scores`,
     `attention_values`): batch-invariant, so the result does not depend on how
     many query rows share the call (decode vs training). The G = H/Hkv query
@@ -222,8 +225,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     Hkv = k.shape[1]
     qg = q.reshape(B, Hkv, (H // Hkv) * T, D)  # query heads of a group, then tokens
     scale = 1.0 / math.sqrt(D)
-    scores = plan.backend.attention_scores(qg, k).reshape(B, H, T, -1) * scale  # [B, H, T, L]
-    scores = scores.masked_fill(~mask, float("-inf"))
+    scores = plan.backend.attention_scores(qg, k).reshape(B, H, T, -1)  # [B, H, T, L], a new tensor
+    # Scaled and masked in place: at long T these [T, L] products are the forward's largest
+    # tensors, and a fresh one costs more in page faults than the arithmetic (the same bits).
+    scores.mul_(scale).masked_fill_(blocked, float("-inf"))
     p = torch.softmax(scores, dim=-1)
     if plan.qp == "fp8":
         p = store_heads(p, "fp8", torch.full((p.shape[1],), 1.0 / E4M3_MAX, device=p.device))
@@ -279,7 +284,7 @@ class Attention(nn.Module):
                 raise ValueError("a forward without a KV cache must start at slot 0")
             k_all = F.pad(k_val, (0, 0, 0, L - T))  # zero keys beyond T are masked
             v_all = F.pad(v_val, (0, 0, 0, L - T))
-        out = attend(q_val, k_all, v_all, ctx.mask, plan)  # [B, H, T, D]
+        out = attend(q_val, k_all, v_all, ctx.blocked, plan)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 

@@ -281,8 +281,13 @@ class GradientSum:
             self.acc = [None] * len(self.params)
             return grads, global_norm([torch.linalg.vector_norm(g) for g in grads])
         last = w.size - 1
-        mine: list[torch.Tensor | None] = [None] * len(self.params)
-        norms: list[torch.Tensor] = []  # the last rank's, per parameter, in parameter order
+
+        def my_rows(i: int) -> torch.Tensor:  # an empty tensor of this rank's rows of parameter i
+            shape = row_shard(torch.empty(self.params[i].shape, device="meta"), w.size, w.rank).shape
+            return torch.empty(shape, dtype=dtype)
+
+        mine = [my_rows(i) if p.numel() == 0 else None for i, p in enumerate(self.params)]  # no piece has them
+        norms: dict[int, torch.Tensor] = {}  # the last rank's, per parameter
         summing: dict[int, torch.Tensor] = {}  # the last rank's: a parameter's FP32 sum until it completes
         for segments in self.pieces:
             sizes = [stop - start for _, start, stop in segments]
@@ -306,8 +311,7 @@ class GradientSum:
             if w.rank < last:
                 w.send(running, w.rank + 1)
                 for i in finished:
-                    mine[i] = torch.empty(row_shard(torch.empty(self.params[i].shape, device="meta"), w.size, w.rank).shape,
-                                          dtype=dtype)
+                    mine[i] = my_rows(i)
                     if mine[i].numel():
                         w.recv(mine[i], last)
                 continue
@@ -316,15 +320,18 @@ class GradientSum:
                 summing.setdefault(i, torch.empty(self.params[i].numel(), dtype=dtype))[start:stop].copy_(part)
             for i in finished:
                 whole = summing.pop(i).view(self.params[i].shape)
-                norms.append(torch.linalg.vector_norm(whole))
+                norms[i] = torch.linalg.vector_norm(whole)
                 for r in range(last):
                     rows = row_shard(whole, w.size, r)
                     if rows.numel():
                         w.send(rows.contiguous(), r)
                 mine[i] = row_shard(whole, w.size, last).clone()
-        norm = global_norm(norms) if w.rank == last else torch.zeros((), dtype=dtype)
+        norm = torch.zeros((), dtype=dtype)
+        if w.rank == last:  # in parameter order, empty parameters too, as one process takes them
+            norm = global_norm([norms[i] if i in norms else torch.linalg.vector_norm(g) for i, g in enumerate(mine)])
         self.pending = []
-        return [g for g in mine if g is not None], w.broadcast(norm, last)
+        assert all(g is not None for g in mine)
+        return mine, w.broadcast(norm, last)  # type: ignore[return-value]
 
 
 def global_norm(norms: list[torch.Tensor]) -> torch.Tensor:

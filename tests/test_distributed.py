@@ -4,6 +4,7 @@ weights and optimizer state equal a one-process run's bit for bit."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -178,17 +179,18 @@ def test_gradient_sum_is_the_same_on_any_number_of_ranks():
     chunks = [torch.randn(1000) * 10.0 ** torch.randint(-3, 3, (1,)).item() for _ in range(4)]
     for c, v in zip(chunks, (1.0, 2.0**-60, -1.0, 2.0**-60)):
         c[0] = v
-    (one,), (one_norm,) = _gradient_sums(chunks, 1)
+    (one,), _ = _gradient_sums(chunks, 1)
     assert one[0] == 2.0**-60  # ((1 + 2**-60) + -1) + 2**-60 in float64
-    for n in (2, 4):
-        for piece in (REDUCE_PIECE, 1000, 600, 7):  # one piece; piece = a parameter; pieces across both
-            for split in ((600,), (1, 2, 600)):  # parameters of 1 and 2 elements: ranks with no rows
-                rows, norms = _gradient_sums(chunks, n, piece, split)
-                sizes = [b - a for a, b in zip((0, *split), (*split, 1000))]
-                assert torch.equal(_whole(rows, n, sizes), one), (n, piece, split)
-                assert all(torch.equal(x, one_norm) for x in norms), (n, piece, split)
-                if split == (600,):
-                    assert all(r.numel() == 1000 // n for r in rows)  # no rank holds more than its share
+    # parameters of 1 and 2 elements (ranks with no rows) and of none
+    for split in ((600,), (1, 2, 600), (600, 600)):
+        _, (one_norm,) = _gradient_sums(chunks, 1, split=split)
+        for n, piece in itertools.product((2, 4), (REDUCE_PIECE, 1000, 600, 7)):  # pieces: one, split, across
+            rows, norms = _gradient_sums(chunks, n, piece, split)
+            sizes = [b - a for a, b in zip((0, *split), (*split, 1000))]
+            assert torch.equal(_whole(rows, n, sizes), one), (n, piece, split)
+            assert all(torch.equal(x, one_norm) for x in norms), (n, piece, split)
+            if split == (600,):
+                assert all(r.numel() == 1000 // n for r in rows)  # no rank holds more than its share
     partials = (chunks[0].double() + chunks[1].double()) + (chunks[2].double() + chunks[3].double())
     assert partials[0] == 0.0 and not torch.equal(partials.float(), one)
     fp32 = sum(chunks[1:], chunks[0].clone())

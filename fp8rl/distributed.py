@@ -243,9 +243,10 @@ class GradientSum:
     float64 once it has two. A rank's chunk gradients are dropped parameter by
     parameter as the running sum passes them. As each parameter's sum completes,
     the last rank takes its norm and sends every rank only its rows of it
-    (`row_shard`: FSDP2's Shard(0) split, what the rank's master shard steps), so
-    no rank holds the whole summed gradient; the norm of the whole, from the
-    per-parameter norms in parameter order, is broadcast."""
+    (`row_shard`: FSDP2's Shard(0) split, what the rank's master shard steps; one
+    message per piece and rank), so no rank holds the whole summed gradient; the
+    norm of the whole, from the per-parameter norms in parameter order, is
+    broadcast."""
 
     def __init__(self, params: list[nn.Parameter], world: World, piece: int = REDUCE_PIECE) -> None:
         if len({p.dtype for p in params}) > 1:
@@ -310,22 +311,24 @@ class GradientSum:
                     grads[i] = None
             if w.rank < last:
                 w.send(running, w.rank + 1)
-                for i in finished:
-                    mine[i] = my_rows(i)
-                    if mine[i].numel():
-                        w.recv(mine[i], last)
+                rows = [my_rows(i) for i in finished]
+                flat = torch.empty(sum(r.numel() for r in rows), dtype=dtype)
+                if flat.numel():  # the rows of this piece's finished parameters, in one message
+                    w.recv(flat, last)
+                for i, r, got in zip(finished, rows, flat.split([r.numel() for r in rows])):
+                    mine[i] = got.view(r.shape)
                 continue
             total = running.to(dtype)  # rounded once, on the last rank
             for (i, start, stop), part in zip(segments, total.split(sizes)):
                 summing.setdefault(i, torch.empty(self.params[i].numel(), dtype=dtype))[start:stop].copy_(part)
-            for i in finished:
-                whole = summing.pop(i).view(self.params[i].shape)
+            wholes = [summing.pop(i).view(self.params[i].shape) for i in finished]
+            for i, whole in zip(finished, wholes):
                 norms[i] = torch.linalg.vector_norm(whole)
-                for r in range(last):
-                    rows = row_shard(whole, w.size, r)
-                    if rows.numel():
-                        w.send(rows.contiguous(), r)
                 mine[i] = row_shard(whole, w.size, last).clone()
+            for r in range(last):
+                flat = torch.cat([row_shard(whole, w.size, r).reshape(-1) for whole in wholes] or [torch.empty(0)])
+                if flat.numel():
+                    w.send(flat.to(dtype), r)
         norm = torch.zeros((), dtype=dtype)
         if w.rank == last:  # in parameter order, empty parameters too, as one process takes them
             norm = global_norm([norms[i] if i in norms else torch.linalg.vector_norm(g) for i, g in enumerate(mine)])

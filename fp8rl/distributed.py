@@ -288,7 +288,8 @@ class GradientSum:
             return torch.empty(shape, dtype=dtype)
 
         mine = [my_rows(i) if p.numel() == 0 else None for i, p in enumerate(self.params)]  # no piece has them
-        norms: dict[int, torch.Tensor] = {}  # the last rank's, per parameter
+        # the last rank's per-parameter norms (empty parameters' too, as one process takes them)
+        norms = {i: torch.linalg.vector_norm(g) for i, g in enumerate(mine) if g is not None}
         summing: dict[int, torch.Tensor] = {}  # the last rank's: a parameter's FP32 sum until it completes
         for segments in self.pieces:
             sizes = [stop - start for _, start, stop in segments]
@@ -325,13 +326,13 @@ class GradientSum:
             for i, whole in zip(finished, wholes):
                 norms[i] = torch.linalg.vector_norm(whole)
                 mine[i] = row_shard(whole, w.size, last).clone()
-            for r in range(last):
-                flat = torch.cat([row_shard(whole, w.size, r).reshape(-1) for whole in wholes] or [torch.empty(0)])
+            for r in range(last if wholes else 0):
+                flat = torch.cat([row_shard(whole, w.size, r).reshape(-1) for whole in wholes])
                 if flat.numel():
-                    w.send(flat.to(dtype), r)
+                    w.send(flat, r)
         norm = torch.zeros((), dtype=dtype)
-        if w.rank == last:  # in parameter order, empty parameters too, as one process takes them
-            norm = global_norm([norms[i] if i in norms else torch.linalg.vector_norm(g) for i, g in enumerate(mine)])
+        if w.rank == last:
+            norm = global_norm([norms[i] for i in range(len(self.params))])
         self.pending = []
         assert all(g is not None for g in mine)
         return mine, w.broadcast(norm, last)  # type: ignore[return-value]

@@ -365,8 +365,8 @@ def test_tiled_attention_product_gradients():
 @pytest.mark.parametrize("scale_fmt", ["fp32", "ue8m0"])
 @pytest.mark.parametrize("amax_floor", [1e-4, 2.0**-9])  # fp8rl's convention, vLLM's
 def test_fp8_linear_is_quantize_then_fp8_matmul(name: str, k: int, scale_fmt: str, amax_floor: float):
-    """A backend may fuse a linear's activation quantization into its GEMM (cpu and
-    amx do: `quantize_dequantize`), but the bits must be those of `quantize` then
+    """A backend may keep a linear's quantized input in the form its GEMM multiplies
+    (cpu and amx do, `linear_input`: `quantize_dequantize`), but the bits must be those of `quantize` then
     `fp8_matmul`, the path the dgrad and the reference take, under either amax floor."""
     g = torch.Generator().manual_seed(k)
     x = torch.randn(37, k, generator=g) * torch.exp2(torch.randint(-12, 12, (37, 1), generator=g).float())
@@ -375,6 +375,6 @@ def test_fp8_linear_is_quantize_then_fp8_matmul(name: str, k: int, scale_fmt: st
     x[6] *= 1e-3 / x[6].abs().max()  # a row between the two floors
     w = quantize(torch.randn(48, k, generator=g), (128, 128), scale_fmt=scale_fmt)
     backend = BACKENDS[name]
-    fused = backend.fp8_linear(x, w, scale_fmt, "x", amax_floor)
+    fused = backend.fp8_linear(backend.linear_input(x, 128, scale_fmt, "x", amax_floor), w)
     plain = backend.fp8_matmul(quantize(x, (1, 128), scale_fmt=scale_fmt, amax_floor=amax_floor), w, torch.float32)
     assert torch.equal(fused, plain)

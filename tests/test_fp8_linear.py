@@ -218,6 +218,66 @@ def test_weight_is_quantized_once_per_step():
     assert layer.qweight is not q1 and torch.equal(layer.qweight.data.view(torch.uint8), q1.data.view(torch.uint8))
 
 
+@pytest.mark.parametrize("flow_name", ["jet", "jet-e2e", "fp8-rollout"])
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_linears_of_one_input_share_its_quantization_and_change_no_bit(flow_name: str, backend: str, monkeypatch):
+    """q/k/v (and gate/up) read one input: `linears_of_one_input` quantizes it once
+    per kind of quantization, and every output and gradient is the bits of the
+    linears called one by one, in rollout (no graph) and in training. A linear
+    whose input quantization differs (another scale format) or that runs BF16
+    gets its own."""
+    from fp8rl.fp8 import backends as fb
+    from fp8rl.fp8.linear import linears_of_one_input
+
+    g = torch.Generator().manual_seed(3)
+    flow = PRESETS[flow_name]
+    other = flow.replace(scale_fmt="ue8m0")
+
+    def layers():
+        lins = [nn.Linear(K, n, bias=n == N) for n in (N, 128, 128, 200)]
+        made = [FP8Linear.from_linear(lin, resolve_plan(f, backend).linear["train"])
+                for lin, f in zip(lins, (flow, flow, flow, other))]
+        for m in made:
+            m.rollout_plan = resolve_plan(flow if m is not made[3] else other, backend).linear["rollout"]
+        return made
+
+    x = torch.randn(*T_SHAPE, K, generator=g) * 4
+    dys = [torch.randn(*T_SHAPE, n, generator=g) for n in (N, 128, 128, 200)]
+    calls = []
+    for name in ("CPUBackend", "ReferenceBackend"):
+        cls = getattr(fb, name)
+        real = cls.linear_input
+        monkeypatch.setattr(cls, "linear_input", lambda self, *a, _real=real, **k: (calls.append(a[0].shape), _real(self, *a, **k))[1])
+    for ph in ("rollout", "train"):
+        one, shared = layers(), layers()
+        for a, b in zip(one, shared):
+            b.load_state_dict(a.state_dict())
+            if ph == "rollout":
+                to_rollout(a), to_rollout(b)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        with torch.set_grad_enabled(ph == "train"):
+            calls.clear()
+            ys_one = [layer(xa) for layer in one]
+            n_one = len(calls)
+            calls.clear()
+            ys_shared = linears_of_one_input(xb, shared)
+            n_shared = len(calls)
+        fp8 = [layer.plan.fprop == "fp8" for layer in one]
+        assert n_one == sum(fp8)
+        # the first three quantize alike (one quantization if any is FP8), the fourth on its own
+        assert n_shared == any(fp8[:3]) + fp8[3], (ph, fp8, n_shared)
+        for ya, yb in zip(ys_one, ys_shared):
+            assert torch.equal(ya, yb), ph
+        if ph == "train":
+            torch.autograd.backward(ys_one, dys)
+            torch.autograd.backward(ys_shared, dys)
+            assert torch.equal(xa.grad, xb.grad)
+            for a, b in zip(one, shared):
+                assert torch.equal(a.weight.grad, b.weight.grad)
+    plain = nn.Linear(K, 8)  # no flow applied: called as it is
+    assert torch.equal(linears_of_one_input(x, [plain])[0], plain(x))
+
+
 def test_weight_caches_follow_the_flow():
     for name, has_q, has_bf16 in [("bf16", False, True), ("jet", True, True), ("jet-e2e", True, False)]:
         _, layer, _, _ = setup(name)

@@ -11,8 +11,9 @@ A backend owns the arithmetic of the flows (docs/design.md section 3):
       out[i, j]       += partial_kb[i, j] * sa[i, kb] * sb[j, kb]      (promotion)
 
   Backends differ only in how the promotion and the sum are rounded.
-- ``fp8_linear(x, w)``: a linear's forward, ``x`` quantized to 1x128 blocks
-  then ``fp8_matmul`` (a backend may fuse the two).
+- ``linear_input(x)`` / ``fp8_linear(xq, w)``: a linear's forward, ``x`` quantized
+  to 1x128 blocks then ``fp8_matmul`` (a backend may keep the quantized input in
+  the form its GEMM multiplies); linears of one input (q/k/v, gate/up) share ``xq``.
 - ``bf16_matmul(a, b)``: the BF16 GEMM of the flows' BF16 steps, ``a @ b.T``.
 - ``head_logits`` / ``head_grads``: the LM head (BF16 operands) and its gradient.
 - ``attention_scores`` / ``attention_values``: the two attention products.
@@ -454,17 +455,22 @@ class Backend:
         weight-like operand whose converted forms may be kept in ``b.cache``."""
         raise NotImplementedError
 
-    def fp8_linear(
-        self, x: torch.Tensor, w: QTensor, scale_fmt: str, name: str, amax_floor: float = AMAX_FLOOR
-    ) -> torch.Tensor:
-        """A linear's forward FP8 GEMM: ``x [T, K]`` (high precision) quantized to
-        1 x ``bk`` blocks (``amax_floor``: the engine convention, formats.AMAX_FLOORS),
-        times the block-quantized weight ``w [N, K]`` -> FP32 ``[T, N]``,
-        batch-invariant. ``name`` names ``x`` in a NaN/Inf error. Default:
-        ``quantize`` then ``fp8_matmul``; a backend that multiplies dequantized
-        values may fuse the two."""
-        qx = quantize(x, (1, w.block[1]), scale_fmt=scale_fmt, name=name, amax_floor=amax_floor)
-        return self.fp8_matmul(qx, w, torch.float32)
+    def linear_input(
+        self, x: torch.Tensor, bk: int, scale_fmt: str, name: str, amax_floor: float = AMAX_FLOOR
+    ) -> QTensor | torch.Tensor:
+        """A linear's forward input ``x [T, K]`` (high precision) quantized to 1 x ``bk``
+        blocks (``amax_floor``: the engine convention, formats.AMAX_FLOORS), in the
+        form this backend's ``fp8_linear`` multiplies. ``name`` names ``x`` in a
+        NaN/Inf error. Default: the QTensor of ``quantize``; a backend that
+        multiplies dequantized values returns them (``quantize_dequantize``: the
+        same numbers in fewer passes)."""
+        return quantize(x, (1, bk), scale_fmt=scale_fmt, name=name, amax_floor=amax_floor)
+
+    def fp8_linear(self, xq: QTensor | torch.Tensor, w: QTensor) -> torch.Tensor:
+        """A linear's forward FP8 GEMM: ``xq`` (``linear_input`` with ``w``'s K block
+        width) times the block-quantized weight ``w [N, K]`` -> FP32 ``[T, N]``,
+        batch-invariant, the bits of ``fp8_matmul(quantize(x), w)``."""
+        return self.fp8_matmul(xq, w, torch.float32)
 
     def bf16_matmul(self, a: torch.Tensor, b: torch.Tensor, cache: dict, invariant: bool = True) -> torch.Tensor:
         """``a [M, K] @ b [N, K].T`` with BF16-rounded operands -> FP32 ``[M, N]``.
@@ -602,13 +608,16 @@ class CPUBackend(Backend):
         out = _accumulate_k_blocks(fp8_to_float(a.data), self._weight_blocks(b), a.block[1], _row_scales(a), invariant)
         return out.to(out_dtype)
 
-    def fp8_linear(
-        self, x: torch.Tensor, w: QTensor, scale_fmt: str, name: str, amax_floor: float = AMAX_FLOOR
+    def linear_input(
+        self, x: torch.Tensor, bk: int, scale_fmt: str, name: str, amax_floor: float = AMAX_FLOOR
     ) -> torch.Tensor:
-        """``quantize_dequantize`` (the values ``fp8_matmul`` multiplies, ``q * scale``,
-        in fewer passes and without the FP8 round trip) into the same K-block GEMMs:
-        the same operands, hence the same bits."""
-        xq = quantize_dequantize(x, w.block[1], scale_fmt, name, amax_floor)
+        """``quantize_dequantize``: the values ``fp8_matmul`` multiplies, ``q * scale``,
+        in fewer passes and without the FP8 round trip."""
+        return quantize_dequantize(x, bk, scale_fmt, name, amax_floor)
+
+    def fp8_linear(self, xq: torch.Tensor, w: QTensor) -> torch.Tensor:
+        """The dequantized input into the same K-block GEMMs as ``fp8_matmul``: the
+        same operands, hence the same bits."""
         return _accumulate_k_blocks(xq, self._weight_blocks(w), w.block[1])
 
     @staticmethod
@@ -638,14 +647,16 @@ class AMXBackend(Backend):
             b.cache["amx_w"] = dequantize(b).bfloat16()
         return _native_rows(dequantize(a), b.cache["amx_w"], invariant, b.cache).to(out_dtype)
 
-    def fp8_linear(
-        self, x: torch.Tensor, w: QTensor, scale_fmt: str, name: str, amax_floor: float = AMAX_FLOOR
+    def linear_input(
+        self, x: torch.Tensor, bk: int, scale_fmt: str, name: str, amax_floor: float = AMAX_FLOOR
     ) -> torch.Tensor:
-        """``quantize_dequantize`` (the same values as quantize + dequantize, in
-        fewer passes) into the native GEMM."""
+        """``quantize_dequantize``: the same values as quantize + dequantize, in fewer passes."""
+        return quantize_dequantize(x, bk, scale_fmt, name, amax_floor)
+
+    def fp8_linear(self, xq: torch.Tensor, w: QTensor) -> torch.Tensor:
+        """The dequantized input into the native GEMM."""
         if "amx_w" not in w.cache:
             w.cache["amx_w"] = dequantize(w).bfloat16()
-        xq = quantize_dequantize(x, w.block[1], scale_fmt, name, amax_floor)
         return _native_rows(xq, w.cache["amx_w"], True, w.cache)
 
     def bf16_matmul(self, a: torch.Tensor, b: torch.Tensor, cache: dict, invariant: bool = True) -> torch.Tensor:

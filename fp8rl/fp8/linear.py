@@ -27,6 +27,7 @@ FP8 x): its blocks run along the token axis, which the fprop tiles do not.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -85,13 +86,14 @@ class _Call:
     transport_counts: torch.Tensor  # the layer's running TRANSPORT_COUNTS (an FP8 grad transport adds to it)
 
 
-def _fprop(x: torch.Tensor, bias: torch.Tensor | None, call: _Call) -> torch.Tensor:
+def _fprop(x: torch.Tensor, bias: torch.Tensor | None, call: _Call, xq: QTensor | torch.Tensor | None) -> torch.Tensor:
     """The forward GEMM: x ``[..., K]`` -> y ``[..., N]`` in x's dtype. The one
-    code path of rollout, scoring and the training forward."""
+    code path of rollout, scoring and the training forward. ``xq``: x's FP8
+    form (``_quantized_input``) if another linear of the same input made it."""
     plan = call.plan
     x2 = x.reshape(-1, x.shape[-1])  # [T, K]
     if plan.fprop == "fp8":
-        y = plan.backend.fp8_linear(x2, call.qweight, plan.scale_fmt, f"{call.name} input", plan.input_amax_floor)
+        y = plan.backend.fp8_linear(_quantized_input(x2, call) if xq is None else xq, call.qweight)
     else:
         y = plan.backend.bf16_matmul(x2, call.weight_bf16, call.bf16_caches[0])
     if bias is not None:
@@ -122,13 +124,33 @@ def transport_losses(x: torch.Tensor, sent: torch.Tensor, q: QTensor) -> torch.T
     ])
 
 
+def _quantized_input(x2: torch.Tensor, call: _Call) -> QTensor | torch.Tensor:
+    """The FP8 forward's input ``x2`` ``[T, K]`` quantized to 1x128 blocks, in the form
+    the plan's backend multiplies (``Backend.linear_input``)."""
+    plan = call.plan
+    return plan.backend.linear_input(
+        x2, call.qweight.block[1], plan.scale_fmt, f"{call.name} input", plan.input_amax_floor
+    )
+
+
+def _input_key(call: _Call) -> tuple | None:
+    """What an FP8 forward's input quantization depends on besides the input:
+    linears of one input with equal keys quantize it to the same bits. None for a
+    BF16 forward."""
+    p = call.plan
+    return None if p.fprop != "fp8" else (p.backend.name, call.qweight.block[1], p.scale_fmt, p.input_amax_floor)
+
+
 class _FP8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, call: _Call) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, call: _Call,
+        xq: QTensor | torch.Tensor | None,
+    ) -> torch.Tensor:
         ctx.save_for_backward(x.reshape(-1, x.shape[-1]))
         ctx.call, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = call, x.shape, x.dtype, weight.dtype
         ctx.b_dtype = None if bias is None else bias.dtype
-        return _fprop(x, bias, call)
+        return _fprop(x, bias, call, xq)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
@@ -162,7 +184,7 @@ class _FP8LinearFn(torch.autograd.Function):
             dw = dw.to(ctx.w_dtype)
         if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
             db = dy2.sum(0).to(ctx.b_dtype)  # FP32 sum over tokens
-        return dx, dw, db, None
+        return dx, dw, db, None, None
 
 
 class FP8Linear(nn.Module):
@@ -219,12 +241,18 @@ class FP8Linear(nn.Module):
         if self._cache_key != self._key():
             self.refresh_weight()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _call(self) -> _Call:
+        """This forward's plan and weight forms (requantized first if the weight changed)."""
         self.ensure_fresh()
-        call = _Call(self.plan, self.qweight, self.weight_bf16, self._bf16_caches, self.name, self.transport_counts)
+        return _Call(self.plan, self.qweight, self.weight_bf16, self._bf16_caches, self.name, self.transport_counts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._apply_call(x, self._call(), None)
+
+    def _apply_call(self, x: torch.Tensor, call: _Call, xq: QTensor | torch.Tensor | None) -> torch.Tensor:
         if not torch.is_grad_enabled():  # rollout / scoring: no autograd node to build
-            return _fprop(x, self.bias, call)
-        return _FP8LinearFn.apply(x, self.weight, self.bias, call)
+            return _fprop(x, self.bias, call, xq)
+        return _FP8LinearFn.apply(x, self.weight, self.bias, call, xq)
 
     def extra_repr(self) -> str:
         p = self.plan
@@ -232,3 +260,24 @@ class FP8Linear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"fprop={p.fprop}, dgrad={p.dgrad}, wgrad={p.wgrad}, backend={p.backend.name}"
         )
+
+
+def linears_of_one_input(x: torch.Tensor, layers: Sequence[nn.Module]) -> list[torch.Tensor]:
+    """``[layer(x) for layer in layers]``, the same bits, with the FP8 input
+    quantization done once for all the FP8Linears that quantize ``x`` alike
+    (q/k/v, gate/up): one quantization per input instead of one per linear,
+    the most frequent small work of a decode step. Other modules (an
+    ``nn.Linear``, a BF16 forward) are called as they are."""
+    shared: dict[tuple, QTensor | torch.Tensor] = {}
+    outs = []
+    for layer in layers:
+        if not isinstance(layer, FP8Linear):
+            outs.append(layer(x))
+            continue
+        call = layer._call()
+        key = _input_key(call)
+        if key is not None and key not in shared:
+            with torch.no_grad():  # values only: the backward requantizes from the saved x
+                shared[key] = _quantized_input(x.detach().reshape(-1, x.shape[-1]), call)
+        outs.append(layer._apply_call(x, call, None if key is None else shared[key]))
+    return outs

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from fp8rl.fp8.backends import Backend
 from fp8rl.fp8.formats import E4M3_MAX
+from fp8rl.fp8.linear import linears_of_one_input
 from fp8rl.fp8.quant import DerivedCache, dequantize_static
 from fp8rl.precision import FULL_PRECISION_ATTENTION, FULL_PRECISION_HEAD, AttentionPlan, FlowPlan, HeadPlan
 
@@ -260,9 +261,10 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        q, k, v = linears_of_one_input(x, (self.q_proj, self.k_proj, self.v_proj))
+        q = q.view(B, T, self.n_heads, self.head_dim)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
@@ -307,7 +309,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up, down = (getattr(self, n) for n in self.names)
-        return down(F.silu(gate(x)) * up(x))
+        g, u = linears_of_one_input(x, (gate, up))
+        return down(F.silu(g) * u)
 
 
 class Router(nn.Module):

@@ -276,6 +276,12 @@ def test_linears_of_one_input_share_its_quantization_and_change_no_bit(flow_name
                 assert torch.equal(a.weight.grad, b.weight.grad)
     plain = nn.Linear(K, 8)  # no flow applied: called as it is
     assert torch.equal(linears_of_one_input(x, [plain])[0], plain(x))
+    seen = []  # the layers are still called as modules: their hooks run
+    hooked = layers()
+    for layer in hooked:
+        layer.register_forward_hook(lambda m, args, out: seen.append(m))
+    linears_of_one_input(x, hooked)
+    assert seen == hooked
 
 
 def test_weight_caches_follow_the_flow():

@@ -134,9 +134,7 @@ def _quantized_input(x2: torch.Tensor, call: _Call) -> QTensor | torch.Tensor:
 
 
 def _input_key(call: _Call) -> tuple | None:
-    """What an FP8 forward's input quantization depends on besides the input:
-    linears of one input with equal keys quantize it to the same bits. None for a
-    BF16 forward."""
+    """``FP8Linear.input_key`` of a forward call."""
     p = call.plan
     return None if p.fprop != "fp8" else (p.backend.name, call.qweight.block[1], p.scale_fmt, p.input_amax_floor)
 
@@ -246,10 +244,22 @@ class FP8Linear(nn.Module):
         self.ensure_fresh()
         return _Call(self.plan, self.qweight, self.weight_bf16, self._bf16_caches, self.name, self.transport_counts)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._apply_call(x, self._call(), None)
+    def input_key(self) -> tuple | None:
+        """What this layer's FP8 input quantization depends on besides the input
+        (backend, K block width, scale format, amax floor): linears of one input
+        with equal keys quantize it to the same bits. None for a BF16 forward."""
+        return _input_key(self._call())
 
-    def _apply_call(self, x: torch.Tensor, call: _Call, xq: QTensor | torch.Tensor | None) -> torch.Tensor:
+    def quantized_input(self, x: torch.Tensor) -> QTensor | torch.Tensor:
+        """``x`` ``[..., K]`` quantized as this layer's FP8 forward would, for ``forward(x, xq)``
+        of the linears with the same ``input_key`` (values only: no graph)."""
+        with torch.no_grad():  # the backward requantizes from the saved x
+            return _quantized_input(x.detach().reshape(-1, x.shape[-1]), self._call())
+
+    def forward(self, x: torch.Tensor, xq: QTensor | torch.Tensor | None = None) -> torch.Tensor:
+        """``xq``: ``quantized_input(x)`` of a linear with the same ``input_key``, when
+        one was made for another linear of this input (``linears_of_one_input``)."""
+        call = self._call()
         if not torch.is_grad_enabled():  # rollout / scoring: no autograd node to build
             return _fprop(x, self.bias, call, xq)
         return _FP8LinearFn.apply(x, self.weight, self.bias, call, xq)
@@ -271,13 +281,11 @@ def linears_of_one_input(x: torch.Tensor, layers: Sequence[nn.Module]) -> list[t
     shared: dict[tuple, QTensor | torch.Tensor] = {}
     outs = []
     for layer in layers:
-        if not isinstance(layer, FP8Linear):
+        key = layer.input_key() if isinstance(layer, FP8Linear) else None
+        if key is None:
             outs.append(layer(x))
             continue
-        call = layer._call()
-        key = _input_key(call)
-        if key is not None and key not in shared:
-            with torch.no_grad():  # values only: the backward requantizes from the saved x
-                shared[key] = _quantized_input(x.detach().reshape(-1, x.shape[-1]), call)
-        outs.append(layer._apply_call(x, call, None if key is None else shared[key]))
+        if key not in shared:
+            shared[key] = layer.quantized_input(x)
+        outs.append(layer(x, shared[key]))
     return outs

@@ -38,6 +38,8 @@ from fp8rl.fp8.formats import AMAX_FLOOR, get_format
 from fp8rl.fp8.quant import DerivedCache, QTensor, dequantize, quantize
 
 GEMM_PRECISIONS: tuple[str, ...] = ("bf16", "fp8")
+# The weight's FP8 blocks; their K width is also the forward input's 1 x 128 blocks.
+WEIGHT_BLOCK = (128, 128)
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,7 @@ def _fprop(x: torch.Tensor, bias: torch.Tensor | None, call: _Call, xq: QTensor 
     plan = call.plan
     x2 = x.reshape(-1, x.shape[-1])  # [T, K]
     if plan.fprop == "fp8":
-        y = plan.backend.fp8_linear(_quantized_input(x2, call) if xq is None else xq, call.qweight)
+        y = plan.backend.fp8_linear(_quantized_input(x2, plan, call.name) if xq is None else xq, call.qweight)
     else:
         y = plan.backend.bf16_matmul(x2, call.weight_bf16, call.bf16_caches[0])
     if bias is not None:
@@ -124,19 +126,10 @@ def transport_losses(x: torch.Tensor, sent: torch.Tensor, q: QTensor) -> torch.T
     ])
 
 
-def _quantized_input(x2: torch.Tensor, call: _Call) -> QTensor | torch.Tensor:
+def _quantized_input(x2: torch.Tensor, plan: LinearPlan, name: str) -> QTensor | torch.Tensor:
     """The FP8 forward's input ``x2`` ``[T, K]`` quantized to 1x128 blocks, in the form
     the plan's backend multiplies (``Backend.linear_input``)."""
-    plan = call.plan
-    return plan.backend.linear_input(
-        x2, call.qweight.block[1], plan.scale_fmt, f"{call.name} input", plan.input_amax_floor
-    )
-
-
-def _input_key(call: _Call) -> tuple | None:
-    """``FP8Linear.input_key`` of a forward call."""
-    p = call.plan
-    return None if p.fprop != "fp8" else (p.backend.name, call.qweight.block[1], p.scale_fmt, p.input_amax_floor)
+    return plan.backend.linear_input(x2, WEIGHT_BLOCK[1], plan.scale_fmt, f"{name} input", plan.input_amax_floor)
 
 
 class _FP8LinearFn(torch.autograd.Function):
@@ -227,7 +220,7 @@ class FP8Linear(nn.Module):
         forms = self.plan.weight_forms
         w = self.weight.detach()
         self.qweight = (
-            quantize(w, (128, 128), scale_fmt=self.plan.scale_fmt, name=f"{self.name}.weight") if "fp8" in forms else None
+            quantize(w, WEIGHT_BLOCK, scale_fmt=self.plan.scale_fmt, name=f"{self.name}.weight") if "fp8" in forms else None
         )
         self.weight_bf16 = w.bfloat16() if "bf16" in forms else None
         self._bf16_caches = (DerivedCache(), DerivedCache())  # new dicts: a running backward keeps the old ones
@@ -239,27 +232,24 @@ class FP8Linear(nn.Module):
         if self._cache_key != self._key():
             self.refresh_weight()
 
-    def _call(self) -> _Call:
-        """This forward's plan and weight forms (requantized first if the weight changed)."""
-        self.ensure_fresh()
-        return _Call(self.plan, self.qweight, self.weight_bf16, self._bf16_caches, self.name, self.transport_counts)
-
     def input_key(self) -> tuple | None:
         """What this layer's FP8 input quantization depends on besides the input
-        (backend, K block width, scale format, amax floor): linears of one input
-        with equal keys quantize it to the same bits. None for a BF16 forward."""
-        return _input_key(self._call())
+        (backend, scale format, amax floor): linears of one input with equal keys
+        quantize it to the same bits. None for a BF16 forward."""
+        p = self.plan
+        return None if p.fprop != "fp8" else (p.backend.name, p.scale_fmt, p.input_amax_floor)
 
     def quantized_input(self, x: torch.Tensor) -> QTensor | torch.Tensor:
         """``x`` ``[..., K]`` quantized as this layer's FP8 forward would, for ``forward(x, xq)``
         of the linears with the same ``input_key`` (values only: no graph)."""
         with torch.no_grad():  # the backward requantizes from the saved x
-            return _quantized_input(x.detach().reshape(-1, x.shape[-1]), self._call())
+            return _quantized_input(x.detach().reshape(-1, x.shape[-1]), self.plan, self.name)
 
     def forward(self, x: torch.Tensor, xq: QTensor | torch.Tensor | None = None) -> torch.Tensor:
         """``xq``: ``quantized_input(x)`` of a linear with the same ``input_key``, when
         one was made for another linear of this input (``linears_of_one_input``)."""
-        call = self._call()
+        self.ensure_fresh()
+        call = _Call(self.plan, self.qweight, self.weight_bf16, self._bf16_caches, self.name, self.transport_counts)
         if not torch.is_grad_enabled():  # rollout / scoring: no autograd node to build
             return _fprop(x, self.bias, call, xq)
         return _FP8LinearFn.apply(x, self.weight, self.bias, call, xq)

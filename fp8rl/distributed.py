@@ -22,9 +22,10 @@ function of the global configuration, not of the world size N:
 - the master weights, AdamW state and summed gradient are sharded with FSDP2
   (`fully_shard`, Shard(0) DTensors): the last rank of the running sum sends
   each rank only its rows of the summed gradient and the norm for clipping,
-  and each rank steps its shard; the updated shards are
-  all-gathered into the rank's compute model, whose weights every rank's
-  rollout needs whole anyway, and quantized there once per optimizer step.
+  and each rank steps its shard; the updated shards are all-gathered into
+  the rank's compute model and quantized there once per optimizer step, one
+  weight at a time: the compute model keeps only the quantized forms of its
+  linears' weights (what rollout and training read), not their FP32 values.
   Checkpoints hold the optimizer state as torch.distributed.checkpoint shards
   (fp8rl/checkpoint.py), readable at any world size.
 
@@ -379,17 +380,25 @@ def _pieces(sizes: list[int], piece: int) -> list[list[tuple[int, int, int]]]:
 
 
 class ShardedMaster:
-    """FSDP2-sharded master weights and AdamW state of a replicated compute model.
+    """FSDP2-sharded master weights and AdamW state of a compute model.
 
     `fully_shard` is applied to a copy of the model (each decoder layer, then
     the root): its parameters become Shard(0) DTensors and AdamW's state is
     created on those shards. `step()` takes this rank's rows of the reduced and
     clipped gradient (`GradientSum`), steps the rank's shard, and all-gathers
     the updated weights back into the compute model. AdamW is elementwise, so
-    the sharded step gives the bits of the unsharded one."""
+    the sharded step gives the bits of the unsharded one.
 
-    def __init__(self, model: nn.Module, optimizer_kwargs: dict[str, Any]) -> None:
+    With `release=True` the compute model's FP8Linear weights hold no FP32 data
+    between optimizer steps (`FP8Linear.release_weight`): the forward and the
+    backward read only their quantized forms, so `pull()` all-gathers one weight
+    at a time, requantizes its layer and frees it again. Its other parameters
+    (embeddings, norms, the LM head) stay whole: the forward reads them."""
+
+    def __init__(self, model: nn.Module, optimizer_kwargs: dict[str, Any], release: bool = False) -> None:
         from torch.distributed.fsdp import fully_shard
+
+        from fp8rl.precision import fp8_linears
 
         self.model = model
         self.master = copy.deepcopy(model)
@@ -399,6 +408,19 @@ class ShardedMaster:
         self.compute = [p for p in model.parameters() if p.requires_grad]
         self.shards = [p for p in self.master.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.shards, **optimizer_kwargs)
+        # compute weight -> its FP8Linear, for the weights this rank holds only quantized
+        self.releasable = {id(m.weight): m for m in fp8_linears(model)} if release else {}
+
+    def release(self) -> int:
+        """Free the compute model's FP8Linear weights (quantized first if stale);
+        returns the bytes freed."""
+        freed = 0
+        for c in self.compute:
+            layer = self.releasable.get(id(c))
+            if layer is not None and not layer.weight_released:
+                freed += c.numel() * c.element_size()
+                layer.release_weight()
+        return freed
 
     def step(self, grads: list[torch.Tensor]) -> None:
         """One AdamW step of this rank's shards on `grads`, its rows of each
@@ -414,10 +436,37 @@ class ShardedMaster:
         self.pull()
 
     def pull(self) -> None:
-        """The compute model's weights := the full master weights (all-gather)."""
+        """The compute model's weights := the full master weights (all-gather), and
+        every FP8Linear requantized; a released weight is gathered, quantized and
+        released again, one at a time, so it is never whole for long."""
+        from fp8rl.precision import fp8_linears
+
         with torch.no_grad(), collective(dist.get_rank()):
             for c, s in zip(self.compute, self.shards):
+                layer = self.releasable.get(id(c))
+                if layer is not None:
+                    layer.restore_weight()
                 c.copy_(s.full_tensor())
+                if layer is not None:
+                    layer.refresh_weight()
+                    layer.release_weight()
+        for layer in fp8_linears(self.model):
+            layer.ensure_fresh()  # the weights pulled whole (quantized once per optimizer step)
+
+    def model_state(self) -> dict[str, torch.Tensor] | None:
+        """The compute model's `state_dict()` with its released weights all-gathered
+        from the master (a collective: every rank calls it); rank 0 gets the dict,
+        the others drop each gathered weight at once and get None."""
+        shard_of = dict(zip(map(id, self.compute), self.shards))
+        main = dist.get_rank() == 0
+        state: dict[str, torch.Tensor] = {}
+        with torch.no_grad(), collective(dist.get_rank()):
+            for name, t in self.model.state_dict(keep_vars=True).items():
+                layer = self.releasable.get(id(t))
+                full = shard_of[id(t)].full_tensor() if layer is not None and layer.weight_released else t.detach()
+                if main:
+                    state[name] = full
+        return state if main else None
 
     def push(self) -> None:
         """The master shards := the compute model's weights (after a checkpoint load)."""

@@ -65,7 +65,13 @@ from fp8rl.evaluate import evaluate
 from fp8rl.fp8 import NonFiniteError
 from fp8rl.runlog import RunLogger, read_metrics, write_summary
 from fp8rl.model.transformer import Transformer
-from fp8rl.precision import apply_flow, grad_transport_stats, refresh_weights, take_grad_transport_counts
+from fp8rl.precision import (
+    apply_flow,
+    fp8_linears,
+    grad_transport_stats,
+    refresh_weights,
+    take_grad_transport_counts,
+)
 from fp8rl.prompts import encode_prompts
 from fp8rl.rl.correction import importance_weights
 from fp8rl.rl.grpo import group_advantages, masked_mean, policy_loss
@@ -227,8 +233,10 @@ class Trainer:
         self.params = [p for p in model.parameters() if p.requires_grad]
         adamw = {"lr": t.lr, "betas": t.betas, "weight_decay": t.weight_decay}
         # One process: AdamW on the model's own FP32 weights. Several: on FSDP2
-        # shards of a master copy, pulled back into the model after each step.
-        self.master = ShardedMaster(model, adamw) if self.world.size > 1 else None
+        # shards of a master copy, pulled back into the model after each step; the
+        # model then keeps only its linears' quantized weights (vLLM's refit reads
+        # the FP32 weights, so with vLLM they stay).
+        self.master = ShardedMaster(model, adamw, release=r.engine != "vllm") if self.world.size > 1 else None
         self.optimizer = self.master.optimizer if self.master else torch.optim.AdamW(self.params, **adamw)
         self.task: Task = make_task(cfg.task)
         self.test_problems = self.task.test_problems(cfg.eval.n) if cfg.eval.n > 0 else []
@@ -246,6 +254,11 @@ class Trainer:
         # vLLM samples the rollouts: started on the current weights, refit before every rollout.
         self.engine = VLLMEngine(model, tokenizer, model.config.max_position_embeddings, cfg.seed) if (
             r.engine == "vllm") else None
+        if self.master:
+            freed = self.master.release()
+            if freed:
+                self.log(f"FP32 weights of the linears released on every rank, {freed / 2**20:.1f} MiB each: "
+                         f"the FSDP2 shards hold them, the forward reads the quantized forms")
         # only now that model and task loaded: a failed start leaves no stale run behind
         self.world.barrier()  # every rank has checked the run directory before rank 0 writes to it
         if self.world.is_main:
@@ -298,9 +311,13 @@ class Trainer:
 
     @staticmethod
     def _frozen_copy(model: Transformer) -> Transformer:
+        """The KL reference: a copy that never changes, so its linears keep only
+        their quantized weights (no FP32 copy of them)."""
         ref = copy.deepcopy(model)
         for p in ref.parameters():
             p.requires_grad_(False)
+        for layer in fp8_linears(ref):
+            layer.release_weight()
         return ref
 
     def _problem_stream(self, start_step: int):
@@ -362,10 +379,11 @@ class Trainer:
         self.log(f"resumed from {ckpt} at step {self.step}")
 
     def save(self) -> Path | None:
-        """Write the checkpoint: rank 0 the weights (every rank holds them whole) and
-        metadata; under data parallelism every rank its optimizer shards
+        """Write the checkpoint: rank 0 the weights (gathered from the master shards
+        where the ranks keep only quantized forms) and metadata; under data parallelism every rank its optimizer shards
         (torch.distributed.checkpoint, readable at any world size), into the
         unpublished checkpoint rank 0 then publishes."""
+        model_state = self.master.model_state() if self.master else None  # every rank gathers, rank 0 keeps
         if self.master and not self.world.is_main:
             unpublished = self.world.gather_objects(None)[0]  # rank 0's tmp directory
             save_sharded_optimizer(Path(unpublished) / SHARDED_OPTIMIZER, self.master.master, self.optimizer)
@@ -386,7 +404,7 @@ class Trainer:
         }
         path = save_checkpoint(
             checkpoint_path(self.run_dir, self.step),
-            model_state=self.model.state_dict(),
+            model_state=model_state if self.master else self.model.state_dict(),
             optimizer=None if self.master else self.optimizer,
             meta=meta,
             keep_last=self.cfg.checkpoint.keep_last,
@@ -553,7 +571,8 @@ class Trainer:
                 units.append((float(loss.detach()), stats["n_clipped"], ent_sum))
             summed, norm = grads.reduce()
             grad_norm = self._clip_and_step(summed, norm, finite and not self.world.any(not finite))
-            refresh_weights(self.model)  # quantize once per optimizer step
+            if not self.master:  # (under data parallelism `pull()` has requantized)
+                refresh_weights(self.model)  # quantize once per optimizer step
             every = [u for rank_units in self.world.gather_objects(units) for u in rank_units]
             res.losses.append(math.fsum(u[0] for u in every))
             res.grad_norms.append(float(grad_norm))

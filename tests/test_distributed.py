@@ -322,6 +322,7 @@ def test_two_ranks_train_exactly_what_one_process_trains(tmp_path: Path):
     train(tmp_path, "one", 1)
     two = train(tmp_path, "two", 2)
     assert "2 data-parallel ranks" in two.stdout
+    assert "FP32 weights of the linears released on every rank" in two.stdout  # only FSDP2 shards hold them
     assert_same_run(tmp_path / "one", tmp_path / "two", 2)
     rows = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["token_mult_prob_error"] == 1.0 for r in rows)

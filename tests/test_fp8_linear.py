@@ -218,6 +218,38 @@ def test_weight_is_quantized_once_per_step():
     assert layer.qweight is not q1 and torch.equal(layer.qweight.data.view(torch.uint8), q1.data.view(torch.uint8))
 
 
+@pytest.mark.parametrize("flow_name", list(EXPECTED))
+def test_a_released_weight_frees_its_memory_and_changes_no_bit(flow_name):
+    """``release_weight`` (data-parallel ranks, the KL reference) frees the FP32
+    weight and keeps its quantized forms: rollout and training outputs and every
+    gradient are the same bits, the weight still gets its gradient, a requantization
+    is refused in one line, and a restored, refilled weight quantizes as before."""
+    _, layer, x, dy = setup(flow_name)
+    with torch.no_grad():
+        to_rollout(layer)
+        y_roll = layer(x)
+    layer.plan = plan(flow_name)
+    before = run(layer, x, dy)
+    saved = layer.weight.detach().clone()
+    q = layer.qweight
+    layer.release_weight()
+    assert layer.weight_released and layer.weight.untyped_storage().nbytes() == 0
+    assert layer.weight.shape == (N, K) and layer.qweight is q
+    after = run(layer, x, dy)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    to_rollout(layer)
+    with torch.no_grad():
+        assert torch.equal(layer(x), y_roll)
+    with pytest.raises(RuntimeError, match="weight was released"):
+        layer.refresh_weight()
+    layer.restore_weight()
+    assert not layer.weight_released
+    with torch.no_grad():
+        layer.weight.copy_(saved)
+    layer.plan = plan(flow_name)
+    assert all(torch.equal(a, b) for a, b in zip(before, run(layer, x, dy)))  # requantized lazily, same bits
+
+
 @pytest.mark.parametrize("flow_name", ["jet", "jet-e2e", "fp8-rollout"])
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
 def test_linears_of_one_input_share_its_quantization_and_change_no_bit(flow_name: str, backend: str, monkeypatch):

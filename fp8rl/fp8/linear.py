@@ -217,6 +217,11 @@ class FP8Linear(nn.Module):
     @torch.no_grad()
     def refresh_weight(self) -> None:
         """Requantize the weight caches from the master weight (once per optimizer step)."""
+        if self.weight_released:
+            raise RuntimeError(
+                f"{self.name}: its FP32 weight was released (only its quantized forms are kept), so it "
+                f"cannot be requantized; restore_weight() and fill the weight first"
+            )
         forms = self.plan.weight_forms
         w = self.weight.detach()
         self.qweight = (
@@ -225,6 +230,31 @@ class FP8Linear(nn.Module):
         self.weight_bf16 = w.bfloat16() if "bf16" in forms else None
         self._bf16_caches = (DerivedCache(), DerivedCache())  # new dicts: a running backward keeps the old ones
         self._cache_key = self._key()
+
+    @property
+    def weight_released(self) -> bool:
+        """True between ``release_weight()`` and ``restore_weight()``."""
+        return self.weight.untyped_storage().nbytes() == 0 and self.weight.numel() > 0
+
+    @torch.no_grad()
+    def release_weight(self) -> None:
+        """Free the FP32 weight's memory and keep only its quantized forms
+        (``qweight`` / ``weight_bf16``), which are all that the forward and the
+        backward of every plan read; the Parameter keeps its shape, so autograd
+        still gives it a gradient. For a copy whose weights another tensor holds
+        (a data-parallel rank's compute model: the FSDP2 master shards) or never
+        changes (the frozen KL reference). Quantizes first if the forms are stale."""
+        self.ensure_fresh()
+        self.weight.untyped_storage().resize_(0)
+        self._cache_key = self._key()  # the released weight is the one these forms came from
+
+    @torch.no_grad()
+    def restore_weight(self) -> None:
+        """Give a released weight its memory back (uninitialized: the caller fills
+        it, then ``refresh_weight()``)."""
+        if self.weight_released:
+            w = self.weight
+            w.untyped_storage().resize_(w.numel() * w.element_size())
 
     def ensure_fresh(self) -> None:
         """Requantize if the master weight changed since the last quantization

@@ -247,29 +247,80 @@ class GradientSum:
     (`row_shard`: FSDP2's Shard(0) split, what the rank's master shard steps; one
     message per piece and rank), so no rank holds the whole summed gradient; the
     norm of the whole, from the per-parameter norms in parameter order, is
-    broadcast."""
+    broadcast.
 
-    def __init__(self, params: list[nn.Parameter], world: World, piece: int = REDUCE_PIECE) -> None:
+    The sum passes the parameters in `groups` (`backward_groups`: each decoder
+    layer, last first, then the rest), and it need not wait for the backward to
+    end: in a rank's last chunk of the micro-batch (`streaming`), the trainer calls
+    `stream(g)` as soon as the backward has finished layer g, which passes that
+    layer's gradients on and drops them. With one chunk per rank (`grad_chunks` =
+    N) a rank then never holds its chunk's whole gradient, one layer's at a time.
+    Every rank passes the groups in the same order (a group not streamed, or
+    streamed out of order, is passed by `reduce()`), so the additions and the
+    messages are the same whichever rank streams what."""
+
+    def __init__(
+        self, params: list[nn.Parameter], world: World, piece: int = REDUCE_PIECE,
+        groups: list[list[int]] | None = None,
+    ) -> None:
         if len({p.dtype for p in params}) > 1:
             raise ValueError(f"GradientSum needs parameters of one dtype, got {sorted({str(p.dtype) for p in params})}")
         self.params = params
         self.world = world
-        self.pieces = _pieces([p.numel() for p in params], piece)
-        self.acc: list[torch.Tensor | None] = [None] * len(params)  # rank 0: running sum (FP32 until a second term)
-        self.pending: list[list[torch.Tensor | None]] = []  # rank > 0: its chunks, until the running sum arrives
+        self.piece = piece
+        # The order in which the running sum passes the parameters: groups of indices
+        # (a decoder layer's, in the order the backward finishes them, then the rest).
+        self.groups = groups if groups is not None else [list(range(len(params)))]
+        if sorted(i for g in self.groups for i in g) != list(range(len(params))):
+            raise ValueError("GradientSum groups must hold every parameter index exactly once")
+        self.streaming = False  # set for a rank's last chunk of a micro-batch: `stream()` may pass groups
+        self._reset()
 
-    def add(self) -> None:
-        """Take this chunk's `.grad`s (and clear them)."""
-        grads = [None if p.grad is None else p.grad.detach() for p in self.params]
-        for p in self.params:
+    def _reset(self) -> None:
+        n = len(self.params)
+        self.acc: list[torch.Tensor | None] = [None] * n  # rank 0: running sum (FP32 until a second term)
+        self.pending: list[list[torch.Tensor | None]] = []  # rank > 0: its chunks, until the running sum arrives
+        self.taken = [False] * n  # this chunk's gradient of parameter i is taken
+        self.passed = [False] * len(self.groups)  # the running sum has passed group g
+        self.mine: list[torch.Tensor | None] = [None] * n  # this rank's rows of each summed gradient
+        self.norms: dict[int, torch.Tensor] = {}  # the last rank's per-parameter norms
+
+    def add(self, indices: list[int] | None = None) -> None:
+        """Take this chunk's `.grad`s of `indices` (the rest of the chunk's when None,
+        which ends the chunk) and clear them."""
+        rest = indices is None
+        if rest:
+            indices = [i for i in range(len(self.params)) if not self.taken[i]]
+        if self.world.rank > 0 and not any(self.taken):
+            self.pending.append([None] * len(self.params))  # a new chunk
+        for i in indices:
+            p = self.params[i]
+            g = None if p.grad is None else p.grad.detach()
             p.grad = None
-        if self.world.rank == 0:
-            for i, g in enumerate(grads):
-                if g is not None:  # no gradient (an expert no token chose): a zero term
-                    a = self.acc[i]
-                    self.acc[i] = g if a is None else a.to(torch.float64) + g.to(torch.float64)
-        else:
-            self.pending.append(grads)
+            self.taken[i] = True
+            if g is None:  # no gradient (an expert no token chose): a zero term
+                continue
+            if self.world.rank == 0:
+                a = self.acc[i]
+                self.acc[i] = g if a is None else a.to(torch.float64) + g.to(torch.float64)
+            else:
+                self.pending[-1][i] = g
+        if rest:
+            self.taken = [False] * len(self.params)
+
+    def stream(self, group: int) -> None:
+        """During the backward of this rank's last chunk of the micro-batch, when
+        `group`'s gradients are final (its decoder layer is done): take them and pass
+        the running sum over them now, so this rank never holds the chunk's whole
+        gradient. Only in order: a group whose predecessors have not passed waits
+        for `reduce()`, which passes every rank's groups in the same order (so a
+        rank whose backward stopped early still meets the others)."""
+        if not self.streaming or self.world.size == 1 or self.passed[group]:
+            return
+        if not all(self.passed[:group]):
+            return
+        self.add(self.groups[group])
+        self._pass(group)
 
     def reduce(self) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The micro-batch's summed FP32 gradient, this rank's part of it per
@@ -277,22 +328,44 @@ class GradientSum:
         L2 norm of the whole gradient (a 0-dim FP32 tensor, the same on every rank)."""
         w = self.world
         dtype = self.params[0].dtype
+        self.streaming = False
         if w.size == 1:
             grads = [torch.zeros_like(p) if a is None else a.reshape(p.shape).to(dtype)
                      for p, a in zip(self.params, self.acc)]
-            self.acc = [None] * len(self.params)
+            self._reset()
             return grads, global_norm([torch.linalg.vector_norm(g) for g in grads])
+        for g in range(len(self.groups)):
+            if not self.passed[g]:
+                self._pass(g)
+        norm = torch.zeros((), dtype=dtype)
+        if w.rank == w.size - 1:
+            norm = global_norm([self.norms[i] for i in range(len(self.params))])
+        mine = self.mine
+        self._reset()
+        assert all(g is not None for g in mine)
+        return mine, w.broadcast(norm, w.size - 1)  # type: ignore[return-value]
+
+    def _pass(self, group: int) -> None:
+        """The running sum over one group's parameters, in pieces of at most `piece`
+        elements: received from rank r-1, this rank's terms added, sent to r+1;
+        the last rank rounds each parameter's total to FP32, keeps its norm and
+        sends each rank its rows (`self.mine`)."""
+        w = self.world
+        dtype = self.params[0].dtype
         last = w.size - 1
+        index = self.groups[group]
 
         def my_rows(i: int) -> torch.Tensor:  # an empty tensor of this rank's rows of parameter i
             shape = row_shard(torch.empty(self.params[i].shape, device="meta"), w.size, w.rank).shape
             return torch.empty(shape, dtype=dtype)
 
-        mine = [my_rows(i) if p.numel() == 0 else None for i, p in enumerate(self.params)]  # no piece has them
-        # the last rank's per-parameter norms (empty parameters' too, as one process takes them)
-        norms = {i: torch.linalg.vector_norm(g) for i, g in enumerate(mine) if g is not None}
+        for i in index:
+            if self.params[i].numel() == 0:  # no piece has them; the norm as one process takes it
+                self.mine[i] = my_rows(i)
+                self.norms[i] = torch.linalg.vector_norm(self.mine[i])
         summing: dict[int, torch.Tensor] = {}  # the last rank's: a parameter's FP32 sum until it completes
-        for segments in self.pieces:
+        for local in _pieces([self.params[i].numel() for i in index], self.piece):
+            segments = [(index[k], start, stop) for k, start, stop in local]
             sizes = [stop - start for _, start, stop in segments]
             running = torch.zeros(sum(sizes), dtype=torch.float64)
             parts = running.split(sizes)
@@ -318,25 +391,30 @@ class GradientSum:
                 if flat.numel():  # the rows of this piece's finished parameters, in one message
                     w.recv(flat, last)
                 for i, r, got in zip(finished, rows, flat.split([r.numel() for r in rows])):
-                    mine[i] = got.view(r.shape)
+                    self.mine[i] = got.view(r.shape)
                 continue
             total = running.to(dtype)  # rounded once, on the last rank
             for (i, start, stop), part in zip(segments, total.split(sizes)):
                 summing.setdefault(i, torch.empty(self.params[i].numel(), dtype=dtype))[start:stop].copy_(part)
             wholes = [summing.pop(i).view(self.params[i].shape) for i in finished]
             for i, whole in zip(finished, wholes):
-                norms[i] = torch.linalg.vector_norm(whole)
-                mine[i] = row_shard(whole, w.size, last).clone()
+                self.norms[i] = torch.linalg.vector_norm(whole)
+                self.mine[i] = row_shard(whole, w.size, last).clone()
             for r in range(last if wholes else 0):
                 flat = torch.cat([row_shard(whole, w.size, r).reshape(-1) for whole in wholes])
                 if flat.numel():
                     w.send(flat, r)
-        norm = torch.zeros((), dtype=dtype)
-        if w.rank == last:
-            norm = global_norm([norms[i] for i in range(len(self.params))])
-        self.pending = []
-        assert all(g is not None for g in mine)
-        return mine, w.broadcast(norm, last)  # type: ignore[return-value]
+        self.passed[group] = True
+
+
+def backward_groups(model: nn.Module, params: list[nn.Parameter]) -> list[list[int]]:
+    """Indices into `params` per decoder layer, last layer first (the order in which
+    a backward finishes them), then the rest (embeddings, final norm, LM head): the
+    order in which `GradientSum` passes them."""
+    index = {id(p): i for i, p in enumerate(params)}
+    groups = [[index[id(p)] for p in layer.parameters() if id(p) in index] for layer in reversed(model.model.layers)]
+    seen = {i for g in groups for i in g}
+    return [*groups, [i for i in range(len(params)) if i not in seen]]
 
 
 def global_norm(norms: list[torch.Tensor]) -> torch.Tensor:

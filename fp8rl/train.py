@@ -27,6 +27,7 @@ global batch, so every number is the one-process run's. Rank 0 alone writes.
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import json
 import math
@@ -53,6 +54,7 @@ from fp8rl.checkpoint import (
 from fp8rl.config import COMMAND_SECTIONS, RunConfig, from_dict, save_config
 from fp8rl.distributed import (
     GradientSum,
+    backward_groups,
     ShardedMaster,
     World,
     clip_,
@@ -254,6 +256,13 @@ class Trainer:
         # vLLM samples the rollouts: started on the current weights, refit before every rollout.
         self.engine = VLLMEngine(model, tokenizer, model.config.max_position_embeddings, cfg.seed) if (
             r.engine == "vllm") else None
+        # Under data parallelism the gradient sum passes each decoder layer as soon as
+        # the backward of a rank's last chunk has finished it (`GradientSum.stream`).
+        self.grad_groups = backward_groups(model, self.params)
+        self._grad_sum: GradientSum | None = None
+        if self.world.size > 1:
+            for group, layer in enumerate(reversed(model.model.layers)):
+                layer.register_forward_pre_hook(functools.partial(self._watch_layer_input, group))
         if self.master:
             freed = self.master.release()
             if freed:
@@ -442,6 +451,14 @@ class Trainer:
         """This rank's rows [b, ...] -> the step's global batch [B, ...], one-process order."""
         return gather_global(local, self.row_order, self.world)
 
+    def _watch_layer_input(self, group: int, _layer: torch.nn.Module, args: tuple) -> None:
+        """A decoder layer's forward pre-hook: in a forward with a graph, a hook on the
+        gradient of the layer's input, which the backward computes only after every
+        gradient of the layer's own parameters is accumulated: then `group` is final."""
+        x = args[0]
+        if torch.is_grad_enabled() and x.requires_grad:
+            x.register_hook(lambda _grad: self._grad_sum.stream(group) if self._grad_sum is not None else None)
+
     def _units(self, micro_batch: int) -> list[range]:
         """Local rows of each of this rank's gradient chunks in `micro_batch`
         (`train.grad_chunks` per micro-batch, whole prompt groups): the terms of
@@ -547,12 +564,14 @@ class Trainer:
         G, P, M = self.cfg.rollout.group_size, self.cfg.rollout.prompts_per_step, t.micro_batches
         rows_per_mb = P // M * G
         res = Optimized(lr, [], [], [], [], {})
-        grads = GradientSum(self.params, self.world)
+        grads = GradientSum(self.params, self.world, groups=self.grad_groups)
+        self._grad_sum = grads
         for i in range(M):
             n_tokens = int(mask[i * rows_per_mb:(i + 1) * rows_per_mb].sum())
             units = []  # per chunk: (loss, clipped tokens, entropy sum), in local order
             finite = True
-            for j, unit in enumerate(self._units(i)):
+            units_i = self._units(i)
+            for j, unit in enumerate(units_i):
                 sub = out.select(unit)
                 if i == 0:
                     logp, ent = scored.logp[j], scored.entropy[j]
@@ -565,6 +584,7 @@ class Trainer:
                     ref_logp=scored.ref_logp[rows] if scored.ref_logp is not None else None, kl_coef=t.kl_coef,
                     n_normalize=n_tokens,
                 )
+                grads.streaming = j == len(units_i) - 1  # this rank's last chunk: pass layers as they finish
                 finite = finite and self._backward(loss)
                 grads.add()
                 ent_sum = float(torch.where(sub.completion_mask, ent.detach(), 0).double().sum())

@@ -4,6 +4,7 @@ weights and optimizer state equal a one-process run's bit for bit."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -112,13 +113,17 @@ def test_global_row_order_puts_gathered_rows_back_in_one_process_order():
 
 
 def _gradient_sums(chunks: list[torch.Tensor], world_size: int, piece: int = REDUCE_PIECE,
-                   split: tuple[int, ...] = (600,)) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                   split: tuple[int, ...] = (600,), groups: list[list[int]] | None = None,
+                   stream: dict[int, list[int]] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """`GradientSum` of `chunks` (one micro-batch's chunk gradients, in order) on
     `world_size` ranks run as threads, each with its contiguous share, their
     point-to-point messages and broadcast through queues, the gradient split into
     parameters at `split` (e.g. the first 600 elements and the rest) and reduced in
-    pieces of `piece` elements. Per rank: its rows of the summed gradient, flattened
-    (the parameters' row shards one after another), and the norm it got."""
+    pieces of `piece` elements, passed in `groups` of parameters; in its last chunk,
+    rank r calls `stream(g)` for each g of `stream[r]` (what the trainer's backward
+    hooks do as layers finish) and checks that a passed group's gradients are gone.
+    Per rank: its rows of the summed gradient, flattened (the parameters' row
+    shards one after another), and the norm it got."""
     import queue
     import threading
 
@@ -145,10 +150,16 @@ def _gradient_sums(chunks: list[torch.Tensor], world_size: int, piece: int = RED
 
     def rank(r: int) -> None:
         ps = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
-        acc = GradientSum(ps, Relay(r, world_size), piece)
-        for g in chunks[r * m : (r + 1) * m]:
+        acc = GradientSum(ps, Relay(r, world_size), piece, groups)
+        for c, g in enumerate(chunks[r * m : (r + 1) * m]):
             for p, part in zip(ps, g.split(sizes)):
                 p.grad = part.clone()
+            acc.streaming = c == m - 1
+            for group in (stream or {}).get(r, []) if acc.streaming else []:
+                acc.stream(group)
+                if acc.passed[group]:
+                    assert all(ps[i].grad is None for i in acc.groups[group])
+                    assert all(acc.acc[i] is None and all(x[i] is None for x in acc.pending) for i in acc.groups[group])
             acc.add()
             assert all(p.grad is None for p in ps)
         grads, norm = acc.reduce()
@@ -195,6 +206,60 @@ def test_gradient_sum_is_the_same_on_any_number_of_ranks():
     assert partials[0] == 0.0 and not torch.equal(partials.float(), one)
     fp32 = sum(chunks[1:], chunks[0].clone())
     assert not torch.equal(fp32, one)  # why float64: an FP32 running sum rounds more
+
+
+def test_layers_passed_during_the_backward_sum_what_the_reduce_sums():
+    """`GradientSum.stream`: a rank's last chunk passes groups of parameters (decoder
+    layers) as the backward finishes them, dropping their gradients; the result is
+    the same bits whether every rank streams, one does, or a group comes out of
+    order (it waits for `reduce`, which passes the groups in order on every rank)."""
+    torch.manual_seed(1)
+    chunks = [torch.randn(1000) * 10.0 ** torch.randint(-3, 3, (1,)).item() for _ in range(4)]
+    for c, v in zip(chunks, (1.0, 2.0**-60, -1.0, 2.0**-60)):
+        c[0] = v
+    groups = [[3], [1, 2], [0]]  # parameters of 1, 1, 598, 400 elements; the last layer first
+    (one,), (one_norm,) = _gradient_sums(chunks, 1, split=(1, 2, 600))
+    for n, piece in itertools.product((2, 4), (REDUCE_PIECE, 7)):
+        every, reversed_ = {r: [0, 1] for r in range(n)}, {r: [1, 0] for r in range(n)}
+        for stream in (every, {0: [0, 1, 2]}, {0: [1, 0]}, reversed_, {n - 1: [0]}):
+            rows, norms = _gradient_sums(chunks, n, piece, (1, 2, 600), groups, stream)
+            assert torch.equal(_whole(rows, n, [1, 1, 598, 400]), one), (n, piece, stream)
+            assert all(torch.equal(x, one_norm) for x in norms), (n, piece, stream)
+    with pytest.raises(ValueError, match="exactly once"):
+        GradientSum([torch.nn.Parameter(torch.zeros(2))] * 2, World(), groups=[[0]])
+
+
+@pytest.mark.parametrize("model_name", ["tiny-arith", "tiny-moe"])
+def test_a_layers_input_gradient_comes_after_all_its_parameter_gradients(model_name: str):
+    """What the trainer's streaming relies on (`Trainer._watch_layer_input`): when the
+    gradient of a decoder layer's input is computed, every gradient of that layer's
+    parameters this backward gives is already accumulated, and none of the layers
+    below it has one yet (MoE experts no token chose get none at all)."""
+    from fp8rl.model import load
+    from fp8rl.model.transformer import make_context
+    from fp8rl.precision import apply_flow, phase
+
+    model, _ = load(model_name)
+    apply_flow(model, "jet", backend="cpu")
+    layers = list(model.model.layers)
+    seen: list[tuple[int, list[bool], bool]] = []
+
+    def watch(i: int, _layer, args) -> None:
+        def check(_grad) -> None:
+            mine = [p.grad is not None for p in layers[i].parameters()]
+            below = any(p.grad is not None for layer in layers[:i] for p in layer.parameters())
+            seen.append((i, mine, below))
+        args[0].register_hook(check)
+
+    for i, layer in enumerate(layers):
+        layer.register_forward_pre_hook(functools.partial(watch, i))
+    tokens = torch.randint(2, 300, (4, 24))
+    with phase(model, "train"):
+        logits = model(tokens, make_context(torch.zeros(4, dtype=torch.long), 0, 24, 32))
+    logits.float().log_softmax(-1).mean().backward()
+    assert [i for i, _, _ in seen] == list(reversed(range(len(layers))))
+    for i, mine, below in seen:
+        assert mine == [p.grad is not None for p in layers[i].parameters()] and any(mine) and not below, i
 
 
 def test_gradient_sum_of_one_term_is_that_term_and_missing_terms_are_zero():

@@ -36,7 +36,6 @@ has one code path.
 from __future__ import annotations
 
 import contextlib
-import copy
 import datetime
 import os
 from dataclasses import dataclass
@@ -460,8 +459,10 @@ def _pieces(sizes: list[int], piece: int) -> list[list[tuple[int, int, int]]]:
 class ShardedMaster:
     """FSDP2-sharded master weights and AdamW state of a compute model.
 
-    `fully_shard` is applied to a copy of the model (each decoder layer, then
-    the root): its parameters become Shard(0) DTensors and AdamW's state is
+    `fully_shard` is applied to a copy of the model's structure made on the meta
+    device (each decoder layer, then the root), whose shards are then allocated
+    and filled with this rank's rows of the model's weights: its parameters are
+    Shard(0) DTensors and AdamW's state is
     created on those shards. `step()` takes this rank's rows of the reduced and
     clipped gradient (`GradientSum`), steps the rank's shard, and all-gathers
     the updated weights back into the compute model. AdamW is elementwise, so
@@ -479,12 +480,22 @@ class ShardedMaster:
         from fp8rl.precision import fp8_linears
 
         self.model = model
-        self.master = copy.deepcopy(model)
+        # The master's structure on the meta device, sharded, then each rank's shards
+        # allocated and filled from the compute weights: no rank holds a second whole copy.
+        with torch.device("meta"):
+            self.master = type(model)(model.config)
+        names = [n for n, _ in model.named_parameters()]
+        if [n for n, _ in self.master.named_parameters()] != names:
+            raise RuntimeError("the FSDP2 master's parameters do not match the model's (names or order)")
+        for (_, m), (_, p) in zip(self.master.named_parameters(), model.named_parameters()):
+            m.requires_grad_(p.requires_grad)
         for layer in self.master.model.layers:
             fully_shard(layer)
         fully_shard(self.master)
+        self.master.to_empty(device=next(model.parameters()).device)
         self.compute = [p for p in model.parameters() if p.requires_grad]
         self.shards = [p for p in self.master.parameters() if p.requires_grad]
+        self.push()
         self.optimizer = torch.optim.AdamW(self.shards, **optimizer_kwargs)
         # compute weight -> its FP8Linear, for the weights this rank holds only quantized
         self.releasable = {id(m.weight): m for m in fp8_linears(model)} if release else {}

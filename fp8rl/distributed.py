@@ -314,9 +314,7 @@ class GradientSum:
         gradient. Only in order: a group whose predecessors have not passed waits
         for `reduce()`, which passes every rank's groups in the same order (so a
         rank whose backward stopped early still meets the others)."""
-        if not self.streaming or self.world.size == 1 or self.passed[group]:
-            return
-        if not all(self.passed[:group]):
+        if not self.streaming or self.world.size == 1 or self.passed[group] or not all(self.passed[:group]):
             return
         self.add(self.groups[group])
         self._pass(group)
@@ -497,8 +495,9 @@ class ShardedMaster:
         self.shards = [p for p in self.master.parameters() if p.requires_grad]
         self.push()
         self.optimizer = torch.optim.AdamW(self.shards, **optimizer_kwargs)
+        self.linears = list(fp8_linears(model))
         # compute weight -> its FP8Linear, for the weights this rank holds only quantized
-        self.releasable = {id(m.weight): m for m in fp8_linears(model)} if release else {}
+        self.releasable = {id(m.weight): m for m in self.linears} if release else {}
 
     def release(self) -> int:
         """Free the compute model's FP8Linear weights (quantized first if stale);
@@ -528,8 +527,6 @@ class ShardedMaster:
         """The compute model's weights := the full master weights (all-gather), and
         every FP8Linear requantized; a released weight is gathered, quantized and
         released again, one at a time, so it is never whole for long."""
-        from fp8rl.precision import fp8_linears
-
         with torch.no_grad(), collective(dist.get_rank()):
             for c, s in zip(self.compute, self.shards):
                 layer = self.releasable.get(id(c))
@@ -537,9 +534,8 @@ class ShardedMaster:
                     layer.restore_weight()
                 c.copy_(s.full_tensor())
                 if layer is not None:
-                    layer.refresh_weight()
-                    layer.release_weight()
-        for layer in fp8_linears(self.model):
+                    layer.release_weight()  # requantizes the new values first
+        for layer in self.linears:
             layer.ensure_fresh()  # the weights pulled whole (quantized once per optimizer step)
 
     def model_state(self) -> dict[str, torch.Tensor] | None:

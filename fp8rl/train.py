@@ -260,6 +260,7 @@ class Trainer:
         # the backward of a rank's last chunk has finished it (`GradientSum.stream`).
         self.grad_groups = backward_groups(model, self.params)
         self._grad_sum: GradientSum | None = None
+        self._layer_calls = [0] * len(self.grad_groups)  # per group: forward calls whose backward is to come
         if self.world.size > 1:
             for group, layer in enumerate(reversed(model.model.layers)):
                 layer.register_forward_pre_hook(functools.partial(self._watch_layer_input, group))
@@ -454,10 +455,18 @@ class Trainer:
     def _watch_layer_input(self, group: int, _layer: torch.nn.Module, args: tuple) -> None:
         """A decoder layer's forward pre-hook: in a forward with a graph, a hook on the
         gradient of the layer's input, which the backward computes only after every
-        gradient of the layer's own parameters is accumulated: then `group` is final."""
+        gradient of the layer's own parameters from that call is accumulated. A
+        forward that shares prompts calls each layer twice (`forward_shared_prompts`):
+        `group` is final once the input gradients of all its calls are in."""
         x = args[0]
         if torch.is_grad_enabled() and x.requires_grad:
-            x.register_hook(lambda _grad: self._grad_sum.stream(group) if self._grad_sum is not None else None)
+            self._layer_calls[group] += 1
+            x.register_hook(functools.partial(self._layer_input_done, group))
+
+    def _layer_input_done(self, group: int, _grad: torch.Tensor) -> None:
+        self._layer_calls[group] -= 1
+        if self._layer_calls[group] == 0 and self._grad_sum is not None:
+            self._grad_sum.stream(group)
 
     def _units(self, micro_batch: int) -> list[range]:
         """Local rows of each of this rank's gradient chunks in `micro_batch`
@@ -590,6 +599,7 @@ class Trainer:
                 ent_sum = float(torch.where(sub.completion_mask, ent.detach(), 0).double().sum())
                 units.append((float(loss.detach()), stats["n_clipped"], ent_sum))
             summed, norm = grads.reduce()
+            self._layer_calls = [0] * len(self.grad_groups)  # a skipped chunk's backward never comes
             grad_norm = self._clip_and_step(summed, norm, finite and not self.world.any(not finite))
             if not self.master:  # (under data parallelism `pull()` has requantized)
                 refresh_weights(self.model)  # quantize once per optimizer step

@@ -262,6 +262,46 @@ def test_a_layers_input_gradient_comes_after_all_its_parameter_gradients(model_n
         assert mine == [p.grad is not None for p in layers[i].parameters()] and any(mine) and not below, i
 
 
+@pytest.mark.parametrize("model_name", ["tiny-arith", "tiny-moe"])
+def test_the_trainer_streams_a_layer_once_the_backward_of_all_its_calls_is_done(model_name: str):
+    """A training forward that shares prompts (`score`'s default on GRPO groups) calls
+    every decoder layer twice, and the prompt call's parameter gradients arrive with
+    the completion call's K/V gradients. `Trainer._watch_layer_input` must pass a
+    layer to the gradient sum only when both calls' backward is done: the gradients
+    taken then are the layer's final ones, every layer is passed once, last first."""
+    from fp8rl.model import load
+    from fp8rl.precision import apply_flow, refresh_weights
+    from fp8rl.rollout.engine import SamplingParams, generate, score
+    from fp8rl.train import Trainer
+
+    model, _ = load(model_name)
+    apply_flow(model, "jet", backend="cpu")
+    refresh_weights(model)
+    groups = list(reversed(model.model.layers))  # the trainer's groups: the last layer first
+    taken: dict[int, list[torch.Tensor | None]] = {}
+
+    class Recorder:  # stands for GradientSum.stream: what the sum would take now
+        def stream(self, group: int) -> None:
+            assert group not in taken, group
+            taken[group] = [None if p.grad is None else p.grad.clone() for p in groups[group].parameters()]
+
+    trainer = object.__new__(Trainer)  # only the hooks' state
+    trainer._layer_calls, trainer._grad_sum = [0] * len(groups), Recorder()
+    for group, layer in enumerate(groups):
+        layer.register_forward_pre_hook(functools.partial(trainer._watch_layer_input, group))
+    prompts = [[5 + i, 40 + 3 * i, 77, 12 + i][: 2 + i % 3] for i in range(3) for _ in range(4)]
+    out = generate(model, prompts, SamplingParams(max_new_tokens=10), eos_ids=[1], pad_id=0, seeds=range(12))
+    logp, _ = score(model, out)
+    assert trainer._layer_calls == [2] * len(groups)  # the prompt call and the completion call
+    (logp * torch.linspace(-1, 1, logp.shape[1])).sum().backward()
+    assert list(taken) == list(range(len(groups))) and trainer._layer_calls == [0] * len(groups)
+    for group, layer in enumerate(groups):
+        final = [p.grad for p in layer.parameters()]
+        assert any(g is not None for g in final), group
+        for now, end in zip(taken[group], final):
+            assert (now is None and end is None) or torch.equal(now, end), group
+
+
 def test_gradient_sum_of_one_term_is_that_term_and_missing_terms_are_zero():
     p, q = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
     acc = GradientSum([p, q], World())

@@ -488,6 +488,24 @@ class Transformer(nn.Module):
             out = _HeadGrad.apply(h, w, out, plan)
         return out
 
+    def hidden(self, input_ids: torch.Tensor, ctx: AttentionContext | None = None) -> torch.Tensor:
+        """input_ids [B, T] -> the last decoder layer's output [B, T, hidden] (before
+        the final norm); `ctx` as for `forward`."""
+        B, T = input_ids.shape
+        if ctx is None:
+            ctx = make_context(torch.zeros(B, dtype=torch.long, device=input_ids.device), 0, T, T)
+        if ctx.start + T > ctx.cache_len:
+            raise ValueError(f"tokens [{ctx.start}, {ctx.start + T}) do not fit {ctx.cache_len} key slots")
+        cos, sin = self.rope(ctx.positions)
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, ctx)
+        return x
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Hidden states [..., hidden] (`hidden`'s) -> logits [..., vocab]: final norm, then the head."""
+        return self.head(self.model.norm(x))
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -498,18 +516,11 @@ class Transformer(nn.Module):
         """input_ids [B, T] -> logits [B, T, vocab] (float32); with `n_last`, only
         the logits of the last n_last positions [B, n_last, vocab]; with
         `head_span = (start, stop)`, only those of positions start..stop-1."""
-        B, T = input_ids.shape
-        if ctx is None:
-            ctx = make_context(torch.zeros(B, dtype=torch.long, device=input_ids.device), 0, T, T)
-        if ctx.start + T > ctx.cache_len:
-            raise ValueError(f"tokens [{ctx.start}, {ctx.start + T}) do not fit {ctx.cache_len} key slots")
-        cos, sin = self.rope(ctx.positions)
-        x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, ctx)
+        T = input_ids.shape[1]
+        x = self.hidden(input_ids, ctx)
         if n_last is not None:
             x = x[:, T - n_last :]
         elif head_span is not None:
             x = x[:, head_span[0] : head_span[1]]
-        return self.head(self.model.norm(x))
+        return self.logits(x)
 

@@ -24,7 +24,7 @@ import torch
 from fp8rl.model.transformer import Transformer, make_context
 from fp8rl.precision import phase
 
-from .kv_cache import KVCache
+from .kv_cache import KVCache, PromptKV
 
 
 @dataclass(frozen=True)
@@ -130,6 +130,13 @@ def _widen_routing(record: dict[int, list[torch.Tensor]], rows: torch.Tensor, ba
         calls[-1] = last.new_full((batch, *last.shape[1:]), -1).index_copy_(0, rows, last)
 
 
+def _rows_of_prompts(record: dict[int, list[torch.Tensor]] | None, of_row: torch.Tensor) -> None:
+    """Make the last call's routing of every MoE layer, Long [U, T, k] for the U distinct
+    prompts of `prompt_groups`, that of every row, [B, T, k]."""
+    for calls in (record or {}).values():
+        calls[-1] = calls[-1][of_row]
+
+
 def sampled_routing(record: dict[int, list[torch.Tensor]] | None, width: int) -> torch.Tensor | None:
     """A filled routing record -> `Rollout.routing`'s form, ShortTensor[B, width, L, k]:
     column s gets the experts of position s - 1 (the one whose logits sampled
@@ -165,6 +172,27 @@ def default_cache_len(prompt_len: int, max_new_tokens: int) -> int:
     reductions over the key axis never take a scalar tail path."""
     n = prompt_len + max_new_tokens
     return (n + 15) // 16 * 16
+
+
+def prompt_groups(prompt_tokens: torch.Tensor, pad_left: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Rows with the same prompt (a GRPO group's samples): prompt_tokens [B, P]
+    (left-padded), pad_left [B] -> (first [U], of_row [B]): the first row of each
+    distinct prompt in row order, and each row's prompt as an index into `first`.
+    None when no two rows share a prompt.
+
+    Used to compute a shared prompt once: the backends are batch-invariant, so a
+    prompt's K/V and logits have the same bits computed for one row or for all
+    of its group's rows."""
+    keys = torch.cat([pad_left[:, None], prompt_tokens], dim=1).tolist()
+    index: dict[tuple[int, ...], int] = {}
+    of_row = [index.setdefault(tuple(key), len(index)) for key in keys]
+    if len(index) == len(keys):
+        return None
+    first = [0] * len(index)
+    for b in reversed(range(len(keys))):
+        first[of_row[b]] = b
+    device = prompt_tokens.device
+    return torch.tensor(first, device=device), torch.tensor(of_row, device=device)
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -264,8 +292,12 @@ def generate(
     done = torch.zeros(B, dtype=torch.bool, device=device)
     reasons = ["length"] * B
     eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
-    cache = KVCache.for_model(model, B, L)
     routing = routing_record(model)  # MoE: the experts chosen at every fed position
+    # A prompt shared by several rows (a GRPO group) is prefilled once, then its K/V rows
+    # and logits are copied to each of its rows: the same bits as a prefill of every row.
+    shared = prompt_groups(tokens[:, :P], pad_left)
+    first = torch.arange(B, device=device) if shared is None else shared[0]
+    cache = KVCache.for_model(model, len(first), L)
 
     # The running batch: `rows` are the grid rows still decoded, in order. Once at most half
     # of them are live, the finished ones leave (their KV rows, generators, pad offsets):
@@ -273,7 +305,13 @@ def generate(
     # in the batch, and the later steps cost what the live rows need.
     rows = torch.arange(B, device=device)
     with phase(model, "rollout"):
-        logits = model(tokens[:, :P], make_context(pad_left, 0, P, L, cache, routing=routing), n_last=1)[:, -1]
+        logits = model(tokens[first, :P], make_context(pad_left[first], 0, P, L, cache, routing=routing),
+                       n_last=1)[:, -1]
+        if shared is not None:
+            of_row = shared[1]
+            logits = logits[of_row]
+            cache.keep_rows(of_row)
+            _rows_of_prompts(routing, of_row)
         steps = 0
         for t in range(params.max_new_tokens):
             col = P + t
@@ -321,6 +359,7 @@ def score(
     *,
     with_entropy: bool = False,
     routing: dict[int, list[torch.Tensor]] | None = None,
+    share_prompts: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The training forward: log-prob of every token of the grid.
 
@@ -329,12 +368,20 @@ def score(
     mode decides whether a graph is built). Only completion positions go through
     the lm_head, which keeps memory at B x (S - prompt_len) x vocab. `routing`
     (an MoE model's `routing_record`) is filled with the experts of every
-    position (`sampled_routing` gives `Rollout.routing`'s form)."""
+    position (`sampled_routing` gives `Rollout.routing`'s form).
+
+    `share_prompts`: rows with the same prompt (`prompt_groups`) have their prompt
+    computed once (`forward_shared_prompts`): the same log-probs, bit for bit, for
+    a fraction of the work; the gradient is the same sum, rounded differently."""
     tokens, P = rollout.tokens, rollout.prompt_len
     B, S = tokens.shape
-    ctx = make_context(rollout.pad_left, 0, S, rollout.cache_len, routing=routing)
+    shared = prompt_groups(tokens[:, :P], rollout.pad_left) if share_prompts else None
     with phase(model, "train"):
-        logits = model(tokens, ctx, head_span=(P - 1, S - 1))  # predicts columns P .. S-1
+        if shared is None:
+            ctx = make_context(rollout.pad_left, 0, S, rollout.cache_len, routing=routing)
+            logits = model(tokens, ctx, head_span=(P - 1, S - 1))  # predicts columns P .. S-1
+        else:
+            logits = forward_shared_prompts(model, rollout, *shared, routing=routing)
     logp_all = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
     target = tokens[:, P:]
     logp = torch.zeros(B, S, dtype=logp_all.dtype, device=tokens.device)
@@ -346,3 +393,35 @@ def score(
         entropy = torch.zeros(B, S, dtype=ent.dtype, device=tokens.device)
         entropy[:, P:] = ent
     return logp, entropy
+
+
+def forward_shared_prompts(
+    model: Transformer,
+    rollout: Rollout,
+    first: torch.Tensor,
+    of_row: torch.Tensor,
+    routing: dict[int, list[torch.Tensor]] | None = None,
+) -> torch.Tensor:
+    """`score`'s forward in two calls, each distinct prompt computed once: logits
+    [B, S - P, vocab] of positions P-1 .. S-2 (those predicting the completion
+    columns), bitwise those of the one-call forward. `first`, `of_row`: `prompt_groups`.
+
+    Call 1: the U distinct prompts, slots [0, P), keeping their K/V (`PromptKV`).
+    Call 2: every row's slots [P, S-1) (the last column's K/V no query reads),
+    attending its prompt's K/V and its own, as a decode step reads the cache.
+    Each query row sees exactly the key vector of the one-call forward (its
+    prompt's keys, its own, zeros in the masked slots beyond), and every product
+    is batch-invariant, so the bits are the same; the U x P prompt tokens replace
+    B x P. With a graph, the backward sums a prompt's gradients over its rows
+    (index_select's backward) before its backward GEMMs, instead of adding each
+    row's products in them: the same gradient, rounded differently."""
+    tokens, P, L = rollout.tokens, rollout.prompt_len, rollout.cache_len
+    B, S = tokens.shape
+    kv = PromptKV(of_row, L)
+    ctx = make_context(rollout.pad_left[first], 0, P, L, kv, routing=routing)
+    h = model.hidden(tokens[first, :P], ctx)[:, -1:][of_row]  # [B, 1, D]: position P-1 of each row
+    _rows_of_prompts(routing, of_row)
+    if S - 1 > P:
+        ctx = make_context(rollout.pad_left, P, S - 1 - P, L, kv, routing=routing)
+        h = torch.cat([h, model.hidden(tokens[:, P : S - 1], ctx)], dim=1)  # [B, S - P, D]
+    return model.logits(h)

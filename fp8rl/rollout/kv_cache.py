@@ -94,3 +94,37 @@ class KVCache:
 
     def _scale_bytes(self) -> int:
         return sum(s.numel() * s.element_size() for s in (self.k_scales or []) + (self.v_scales or []))
+
+
+class PromptKV:
+    """The keys and values of a training forward split in two calls (`engine.score`
+    on rows that share prompts): the first call (slot 0) computes the prompt slots
+    [0, P) once per distinct prompt, U rows; the second (slot P) computes the
+    completion slots of all B rows, each reading its prompt's K/V through
+    ``of_row`` (LongTensor[B], the row's prompt among the U).
+
+    Returns what a one-call forward's attention sees, K/V padded with zeros to
+    ``cache_len`` slots; built by concatenation, not written in place, so autograd
+    differentiates it: the backward sums a shared prompt's K/V gradient over the
+    rows that read it."""
+
+    def __init__(self, of_row: torch.Tensor, cache_len: int) -> None:
+        self.of_row = of_row
+        self.cache_len = cache_len
+        self.k: dict[int, torch.Tensor] = {}  # layer -> the prompts' K [U, H, P, D]
+        self.v: dict[int, torch.Tensor] = {}
+
+    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if start == 0:
+            self.k[layer], self.v[layer] = k, v
+            parts_k, parts_v = [k], [v]
+        else:
+            if layer not in self.k or self.k[layer].shape[2] != start:
+                raise ValueError(f"layer {layer}: the completion call starts at slot {start}, "
+                                 f"not where the prompt call ended")
+            parts_k, parts_v = [self.k[layer][self.of_row], k], [self.v[layer][self.of_row], v]
+        free = self.cache_len - start - k.shape[2]
+        if free < 0:
+            raise ValueError(f"KV overflow: slots [{start}, {start + k.shape[2]}) exceed cache_len {self.cache_len}")
+        zeros = k.new_zeros((*parts_k[-1].shape[:2], free, k.shape[3]))  # masked key slots, as F.pad's
+        return torch.cat([*parts_k, zeros], dim=2), torch.cat([*parts_v, zeros], dim=2)

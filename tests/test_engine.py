@@ -44,9 +44,11 @@ def prompts(n: int = 6, seed: int = 1) -> list[list[int]]:
     return [torch.randint(2, VOCAB, (k,), generator=g).tolist() for k in lens]
 
 
-def rollout(model: Transformer, max_new: int = 16, **kw):
+def rollout(model: Transformer, max_new: int = 16, group: int = 1, **kw):
+    """Completions of `prompts()`, each prompt sampled `group` times (a GRPO group:
+    the engine prefills it once, `score` computes it once)."""
     params = SamplingParams(max_new_tokens=max_new, temperature=kw.pop("temperature", 1.0), **kw)
-    ps = prompts()
+    ps = [p for p in prompts() for _ in range(group)]
     return generate(model, ps, params, eos_ids=[1], pad_id=0, seeds=list(range(len(ps))))
 
 
@@ -99,7 +101,7 @@ def test_cached_decoding_matches_full_forward_under_flows(flow: str):
     assert (logp - out.logprobs)[m].abs().max() < 1e-4
 
 
-def mismatch_for(flow: str | PrecisionFlow, backend: str = "reference", hidden: int = 128) -> dict:
+def mismatch_for(flow: str | PrecisionFlow, backend: str = "reference", hidden: int = 128, group: int = 1) -> dict:
     flow = PRESETS[flow] if isinstance(flow, str) else flow
     model = tiny_model(hidden=hidden, qk_norm=True)
     apply_flow(model, flow, backend=backend)
@@ -107,7 +109,7 @@ def mismatch_for(flow: str | PrecisionFlow, backend: str = "reference", hidden: 
     if flow.needs_calibration:
         tokens, pad_left = left_pad(prompts(), 0)
         calibrate(model, tokens, pad_left)
-    out = rollout(model, max_new=24)
+    out = rollout(model, max_new=24, group=group)
     with torch.no_grad():
         logp, _ = score(model, out)
     res = mismatch_metrics(logp, out.logprobs, out.completion_mask)
@@ -302,8 +304,9 @@ from fp8rl.fp8 import BACKENDS
 print(torch.backends.cpu.get_cpu_capability())
 for backend in BACKENDS:
     for flow in ("bf16", "jet", "jet-kv"):
-        res = mismatch_for(flow, backend=backend, hidden=128)
-        print(backend, flow, res["bitwise"], res["token_mult_prob_error"])
+        for group in (1, 3):  # distinct prompts; groups of 3 (the prompt computed once)
+            res = mismatch_for(flow, backend=backend, hidden=128, group=group)
+            print(backend, flow, group, res["bitwise"], res["token_mult_prob_error"])
 """
 
 
@@ -344,9 +347,9 @@ def test_rollout_equals_training_on_other_cpu_paths(cpu: str):
     want = OTHER_CPUS[cpu].get("ATEN_CPU_CAPABILITY", lines[0].lower()).upper()
     assert lines[0] == want  # torch really ran at that level
     results = [line.split() for line in lines[1:] if line.strip()]
-    assert len(results) == 3 * len(BACKENDS)
-    for backend, flow, bitwise, tmpe in results:
-        assert bitwise == "True", (cpu, backend, flow, tmpe)
+    assert len(results) == 3 * 2 * len(BACKENDS)
+    for backend, flow, group, bitwise, tmpe in results:
+        assert bitwise == "True", (cpu, backend, flow, group, tmpe)
 
 
 @pytest.mark.slow
@@ -355,7 +358,8 @@ def test_smollm2_rollout_equals_training_on_the_fast_backends(backend: str):
     """The guarantee on a real 30-layer model: SmolLM2-135M under every unified
     preset with a KV group of 3 query heads, row tiles of its own shapes and
     an FP8 KV cache (jet-kv): rollout log-probs == training-forward log-probs,
-    bit for bit."""
+    bit for bit, with each prompt sampled twice (prefilled once, computed once by
+    `score`), and == the training forward that computes every row's prompt."""
     import importlib.util
 
     pytest.importorskip("gguf")
@@ -375,9 +379,11 @@ def test_smollm2_rollout_equals_training_on_the_fast_backends(backend: str):
         prompts = encode_prompts(tok, [p.question for p in make_task("arith").test_problems(4)])
         if PRESETS[flow].needs_calibration:
             calibrate(model, *left_pad(prompts, tok.pad_token_id))
+        prompts = [p for p in prompts for _ in range(2)]
         out = generate(model, prompts, SamplingParams(max_new_tokens=12), eos_ids=[], pad_id=tok.pad_token_id,
-                       seeds=[0, 1, 2, 3])
+                       seeds=range(8))
         with torch.no_grad():
             logp, _ = score(model, out)
+            every_row, _ = score(model, out, share_prompts=False)
         m = out.completion_mask
-        assert torch.equal(logp[m], out.logprobs[m]), (backend, flow)
+        assert torch.equal(logp[m], out.logprobs[m]) and torch.equal(logp, every_row), (backend, flow)

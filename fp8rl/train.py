@@ -654,7 +654,7 @@ class Trainer:
         (FP8 KV / attention flows)."""
         if self.flow.needs_calibration:
             calibrate(self.model, out.tokens, out.pad_left, out.cache_len, self.cfg.calibration,
-                      gather=self.world.gather_varying)
+                      gather=self.world.gather_varying, prompt_len=out.prompt_len)
 
     def _metrics(
         self, out: Rollout, rewards: torch.Tensor, correct: torch.Tensor, mismatch: dict[str, float],

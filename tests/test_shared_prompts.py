@@ -150,6 +150,27 @@ def test_shared_prompts_give_the_same_gradient_as_accurately(flow: str | None):
             assert sqnr_db(ref, a) >= sqnr_db(ref, b) - 0.5
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("percentile", [99.9, 50.0, 10.0])
+def test_calibrating_with_shared_prompts_sets_the_same_scales(backend: str, percentile: float):
+    """The trainer calibrates on the step's grid with `prompt_len`: each prompt computed
+    once, its per-token amax counted for each of its rows, so the pooled tokens and
+    their order are those of the one-call forward, and every Q/K/V scale the same
+    bits (a low percentile is sensitive to which tokens are pooled: pads excluded)."""
+    from fp8rl.config import CalibrationConfig
+
+    model = flowed("jet-kv", backend)
+    out = sample(model, grouped_prompts())
+    cfg = CalibrationConfig(percentile=percentile)
+    before, scales = model.attention_scales(), []
+    for prompt_len in (None, out.prompt_len):
+        model.set_attention_scales(before)  # the calibration forward runs on the scales it replaces
+        stats = calibrate(model, out.tokens, out.pad_left, out.cache_len, cfg, prompt_len=prompt_len)
+        scales.append((stats, model.attention_scales()))
+    assert scales[0] == scales[1]
+    assert scales[0][0]["calib_tokens"] == int((torch.arange(out.tokens.shape[1]) >= out.pad_left[:, None]).sum())
+
+
 def test_prompt_kv_refuses_a_completion_call_that_does_not_follow_the_prompt():
     kv = PromptKV(torch.tensor([0, 0]), cache_len=8)
     k = torch.zeros(1, 2, 3, 4)

@@ -454,24 +454,6 @@ def _pieces(sizes: list[int], piece: int) -> list[list[tuple[int, int, int]]]:
     return pieces
 
 
-def adamw(params: list, **hyper: Any) -> torch.optim.AdamW:
-    """torch's AdamW with its multi-tensor (`foreach`) implementation, on the model's
-    FP32 weights (one process) or on FSDP2 shards (`ShardedMaster`). On the CPU
-    torch defaults to the single-tensor loop; `foreach` runs the same operations
-    in the same order on lists of tensors, the same bits (tests/test_train.py), in
-    0.28 s instead of 0.64 s for SmolLM2's 128M weights on a 2-core AMD EPYC.
-    (The fused kernel, 0.09 s there, rounds differently.) `use_foreach` keeps it
-    after a checkpoint's state is loaded, which would restore the saved choice."""
-    return use_foreach(torch.optim.AdamW(params, **hyper))
-
-
-def use_foreach(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """Set `foreach` in every parameter group (`load_state_dict` copies it from the state)."""
-    for group in optimizer.param_groups:
-        group["foreach"] = True
-    return optimizer
-
-
 class ShardedMaster:
     """FSDP2-sharded master weights and AdamW state of a compute model.
 
@@ -512,7 +494,7 @@ class ShardedMaster:
         self.compute = [p for p in model.parameters() if p.requires_grad]
         self.shards = [p for p in self.master.parameters() if p.requires_grad]
         self.push()
-        self.optimizer = adamw(self.shards, **optimizer_kwargs)
+        self.optimizer = torch.optim.AdamW(self.shards, **optimizer_kwargs)
         self.linears = list(fp8_linears(model))
         # compute weight -> its FP8Linear, for the weights this rank holds only quantized
         self.releasable = {id(m.weight): m for m in self.linears} if release else {}

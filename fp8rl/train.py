@@ -54,8 +54,6 @@ from fp8rl.checkpoint import (
 from fp8rl.config import COMMAND_SECTIONS, RunConfig, from_dict, save_config
 from fp8rl.distributed import (
     GradientSum,
-    adamw,
-    use_foreach,
     backward_groups,
     ShardedMaster,
     World,
@@ -235,13 +233,13 @@ class Trainer:
             max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k
         )
         self.params = [p for p in model.parameters() if p.requires_grad]
-        hyper = {"lr": t.lr, "betas": t.betas, "weight_decay": t.weight_decay}
+        adamw = {"lr": t.lr, "betas": t.betas, "weight_decay": t.weight_decay}
         # One process: AdamW on the model's own FP32 weights. Several: on FSDP2
         # shards of a master copy, pulled back into the model after each step; the
         # model then keeps only its linears' quantized weights (vLLM's refit reads
         # the FP32 weights, so with vLLM they stay).
-        self.master = ShardedMaster(model, hyper, release=r.engine != "vllm") if self.world.size > 1 else None
-        self.optimizer = self.master.optimizer if self.master else adamw(self.params, **hyper)
+        self.master = ShardedMaster(model, adamw, release=r.engine != "vllm") if self.world.size > 1 else None
+        self.optimizer = self.master.optimizer if self.master else torch.optim.AdamW(self.params, **adamw)
         self.task: Task = make_task(cfg.task)
         self.test_problems = self.task.test_problems(cfg.eval.n) if cfg.eval.n > 0 else []
         if self.flow.needs_calibration:
@@ -385,7 +383,6 @@ class Trainer:
             self.master.push()
             if full_opt is not None:
                 self.master.load_full_optimizer(full_opt)
-        use_foreach(self.optimizer)  # the loaded state restored the saved choice
         refresh_weights(self.model)
         if self.world.is_main:
             RunLogger(self.run_dir, use_tensorboard=False).truncate_after(self.step)

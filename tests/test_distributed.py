@@ -311,33 +311,6 @@ def test_gradient_sum_of_one_term_is_that_term_and_missing_terms_are_zero():
     assert gp.tolist() == torch.tensor([0.1, -2.5, 3e-30]).tolist() and gq.tolist() == [0.0, 0.0]
 
 
-def test_the_trainers_adamw_steps_the_bits_of_torchs_default_cpu_adamw():
-    """`adamw` (the multi-tensor implementation, for speed) == torch's default on the CPU
-    (the single-tensor loop), bit for bit over steps, with and without weight decay;
-    and it stays multi-tensor after loading a state saved by the default one."""
-    from fp8rl.distributed import adamw, use_foreach
-
-    shapes = [(64, 48), (48,), (7, 3, 5), ()]
-    for hyper in ({"lr": 3e-3, "betas": (0.9, 0.99)}, {"lr": 1e-2, "weight_decay": 0.1}):
-        torch.manual_seed(0)
-        a = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
-        b = [torch.nn.Parameter(p.detach().clone()) for p in a]
-        ours, default = adamw(a, **hyper), torch.optim.AdamW(b, **hyper)
-        assert default.param_groups[0]["foreach"] is None and ours.param_groups[0]["foreach"] is True
-        g = torch.Generator().manual_seed(1)
-        for _ in range(4):
-            for p, q in zip(a, b):
-                p.grad = torch.randn(p.shape, generator=g) * torch.exp2(torch.randint(-20, 2, p.shape, generator=g))
-                q.grad = p.grad.clone()
-            ours.step()
-            default.step()
-            assert all(torch.equal(p, q) for p, q in zip(a, b))
-        resumed = use_foreach(torch.optim.AdamW(a, **hyper))
-        resumed.load_state_dict(default.state_dict())
-        assert resumed.param_groups[0]["foreach"] is None  # what use_foreach is for
-        assert use_foreach(resumed).param_groups[0]["foreach"] is True
-
-
 def test_norm_and_clipping_are_torchs_clip_grad_norm_bit_for_bit():
     """The trainer clips with `global_norm` + `clip_` (so that a rank holding only
     its rows can clip them): the bits of `torch.nn.utils.clip_grad_norm_` on the CPU,

@@ -17,8 +17,7 @@ from fp8rl.fp8.formats import E4M3_MAX
 from fp8rl.model.transformer import Transformer, make_context
 from fp8rl.precision import phase
 
-from .engine import prompt_groups
-from .kv_cache import PromptKV
+from .engine import hidden_shared_prompts, prompt_groups
 
 
 def scales_from_amax(amax: torch.Tensor, cfg: CalibrationConfig) -> torch.Tensor:
@@ -57,10 +56,7 @@ def calibrate(
         if shared is None:
             model.hidden(tokens, make_context(pad_left, 0, T, L, amax=amax))
         else:
-            first, of_row = shared
-            kv = PromptKV(of_row, L)
-            model.hidden(tokens[first, :prompt_len], make_context(pad_left[first], 0, prompt_len, L, kv, amax=amax))
-            model.hidden(tokens[:, prompt_len:], make_context(pad_left, prompt_len, T - prompt_len, L, kv, amax=amax))
+            hidden_shared_prompts(model, tokens, pad_left, prompt_len, L, *shared, stop=T, amax=amax)
     valid = (torch.arange(T, device=tokens.device)[None, :] >= pad_left[:, None]).reshape(-1)  # [B*T]
     kmax = 0.0
     for layer in model.model.layers:

@@ -415,13 +415,39 @@ def forward_shared_prompts(
     B x P. With a graph, the backward sums a prompt's gradients over its rows
     (index_select's backward) before its backward GEMMs, instead of adding each
     row's products in them: the same gradient, rounded differently."""
-    tokens, P, L = rollout.tokens, rollout.prompt_len, rollout.cache_len
-    B, S = tokens.shape
-    kv = PromptKV(of_row, L)
-    ctx = make_context(rollout.pad_left[first], 0, P, L, kv, routing=routing)
-    h = model.hidden(tokens[first, :P], ctx)[:, -1:][of_row]  # [B, 1, D]: position P-1 of each row
-    _rows_of_prompts(routing, of_row)
-    if S - 1 > P:
-        ctx = make_context(rollout.pad_left, P, S - 1 - P, L, kv, routing=routing)
-        h = torch.cat([h, model.hidden(tokens[:, P : S - 1], ctx)], dim=1)  # [B, S - P, D]
+    tokens, P = rollout.tokens, rollout.prompt_len
+    S = tokens.shape[1]
+    prompt, rest = hidden_shared_prompts(model, tokens, rollout.pad_left, P, rollout.cache_len, first, of_row,
+                                         stop=S - 1, routing=routing)
+    h = prompt[:, -1:][of_row]  # [B, 1, D]: position P-1 of each row
+    if rest is not None:
+        h = torch.cat([h, rest], dim=1)  # [B, S - P, D]
     return model.logits(h)
+
+
+def hidden_shared_prompts(
+    model: Transformer,
+    tokens: torch.Tensor,
+    pad_left: torch.Tensor,
+    prompt_len: int,
+    cache_len: int,
+    first: torch.Tensor,
+    of_row: torch.Tensor,
+    stop: int,
+    routing: dict[int, list[torch.Tensor]] | None = None,
+    amax: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The two calls of a forward that computes each shared prompt once (`score`,
+    `calibrate`): the U distinct prompts' slots [0, prompt_len) -> hidden [U, P, D],
+    then every row's slots [prompt_len, stop) reading its prompt's K/V (`PromptKV`)
+    -> hidden [B, stop - P, D], or None when stop == prompt_len. `routing` (MoE)
+    ends with the prompt call's record widened to every row; `amax` records both calls."""
+    P = prompt_len
+    kv = PromptKV(of_row, cache_len)
+    ctx = make_context(pad_left[first], 0, P, cache_len, kv, amax=amax, routing=routing)
+    prompt = model.hidden(tokens[first, :P], ctx)
+    _rows_of_prompts(routing, of_row)
+    if stop <= P:
+        return prompt, None
+    ctx = make_context(pad_left, P, stop - P, cache_len, kv, amax=amax, routing=routing)
+    return prompt, model.hidden(tokens[:, P:stop], ctx)

@@ -100,7 +100,7 @@ def measure_mismatch(
               seeds=[sample_seed(seed, 0, i) for i in range(len(prompts))])
     out = engine.generate(prompts, params, **kw) if engine is not None else generate(model, prompts, params, **kw)
     routing = routing_record(model)
-    with torch.no_grad():
+    with torch.inference_mode():  # read only: the metrics below
         logp_train, _ = score(model, out, params.logprob_temperature, routing=routing)
     metrics = mismatch_metrics(logp_train, out.logprobs, out.completion_mask)
     metrics["n_tokens"] = out.n_tokens

@@ -15,7 +15,7 @@ from fp8rl.model.transformer import Transformer, make_context
 from fp8rl.precision import PRESETS, apply_flow, refresh_weights
 from fp8rl.rl.metrics import mismatch_metrics
 from fp8rl.rollout.calibrate import calibrate
-from fp8rl.rollout.engine import SamplingParams, generate, left_pad, score
+from fp8rl.rollout.engine import RowNoise, SamplingParams, generate, left_pad, score
 from fp8rl.rollout.kv_cache import KVCache
 
 VOCAB = 97
@@ -169,6 +169,28 @@ def test_same_seed_same_sample_regardless_of_batch():
     assert again.completion_ids == full.completion_ids
     other = generate(model, ps, params, eos_ids=[], pad_id=0, seeds=list(range(10, 10 + len(ps))))
     assert other.completion_ids != full.completion_ids
+
+
+@pytest.mark.parametrize("vocab", [97, 384, 1000])
+@pytest.mark.parametrize("max_floats", [1, 3 * 5 * 1000, 1 << 22])  # chunks of 1, 3 (or more) and 16 steps
+def test_row_noise_draws_what_a_draw_per_row_and_step_draws(vocab: int, max_floats: int):
+    """`RowNoise` draws a chunk of steps per row in one `torch.rand` call: each step's
+    noise must be, bit for bit, what one `torch.rand(V)` per row and step draws from
+    the same generators (the sampling of every seeded run depends on it), across
+    chunk boundaries and after rows leave the batch."""
+    steps, seeds = 37, [5, 6, 7, 8, 9]
+    noise = RowNoise([torch.Generator().manual_seed(s) for s in seeds], vocab, steps, torch.device("cpu"),
+                     max_floats=max_floats)
+    one_by_one = [torch.Generator().manual_seed(s) for s in seeds]
+    running = list(range(len(seeds)))
+    assert (noise.chunk == 1) == (max_floats == 1)
+    for t in range(steps):
+        if t == 11:  # rows 1 and 3 leave mid-chunk
+            noise.keep_rows(torch.tensor([0, 2, 4]))
+            running = [running[i] for i in (0, 2, 4)]
+        got = noise.next()
+        want = torch.stack([torch.rand(vocab, generator=one_by_one[r]) for r in running])
+        assert got.is_contiguous() and torch.equal(got, want), t
 
 
 @pytest.mark.parametrize("flow", ["jet", "jet-kv"])

@@ -52,7 +52,7 @@ def calibrate(
     L = cache_len or T
     amax: dict[int, dict[str, list[torch.Tensor]]] = {}
     shared = prompt_groups(tokens[:, :prompt_len], pad_left) if prompt_len and prompt_len < T else None
-    with phase(model, "train"):
+    with phase(model, "train"), torch.inference_mode():  # the records are read below, outside it
         if shared is None:
             model.hidden(tokens, make_context(pad_left, 0, T, L, amax=amax))
         else:

@@ -208,13 +208,50 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, width: int | None = 
     return tokens, pad_left
 
 
-def sample_next(
-    logits: torch.Tensor, params: SamplingParams, generators: Sequence[torch.Generator]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row. logits [B, V] float32 -> (tokens [B], logprobs [B]).
+class RowNoise:
+    """The uniform noise of each running row's next decode steps, drawn from the
+    row's own generator `chunk` steps at a time.
 
-    Each row draws its own uniform noise from its own generator (Gumbel-max), so
-    a sample depends only on its seed, not on the rest of the batch."""
+    `torch.rand(chunk, V, generator=g)` draws the numbers that `chunk` successive
+    `torch.rand(V, generator=g)` calls draw (a CPU generator fills a tensor
+    serially; tests/test_engine.py checks it), so a row's samples are those of one
+    draw per step, for 1/chunk of the calls: a decode step of tiny-arith at 128
+    rows otherwise spends ~130 of its ~1,300 torch calls on per-row draws. The
+    chunk keeps the buffer under `max_floats` (a large vocabulary draws a step at
+    a time, where the draw itself outweighs the call)."""
+
+    def __init__(self, generators: Sequence[torch.Generator], vocab: int, steps: int, device: torch.device,
+                 max_floats: int = 1 << 22) -> None:
+        self.generators, self.vocab, self.steps, self.device = list(generators), vocab, steps, device
+        self.chunk = max(1, min(16, max_floats // max(1, len(self.generators) * vocab)))
+        self.buffer = torch.empty(0, len(self.generators), vocab, device=device)  # [chunk, R, V]
+        self.t = 0  # decode steps drawn so far
+
+    def next(self) -> torch.Tensor:
+        """The next step's noise, FP32 [R, V] in [0, 1), contiguous."""
+        i = self.t % self.chunk
+        if i == 0:
+            n = min(self.chunk, self.steps - self.t)
+            self.buffer = torch.stack(
+                [torch.rand(n, self.vocab, generator=g, device=self.device) for g in self.generators], dim=1)
+        self.t += 1
+        return self.buffer[i]
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Only `rows` (indices into the running rows) go on."""
+        self.generators = [self.generators[i] for i in rows.tolist()]
+        self.buffer = self.buffer[:, rows]
+
+
+def sample_next(
+    logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row. logits [B, V] float32, noise [B, V] uniform in [0, 1)
+    (None: greedy) -> (tokens [B], logprobs [B]).
+
+    Gumbel-max on each row's own uniform noise (`RowNoise`: drawn from the row's
+    own generator), so a sample depends only on its seed, not on the rest of the
+    batch."""
     temp = params.logprob_temperature
     logp = torch.log_softmax(logits / temp if temp != 1.0 else logits, dim=-1)  # x / 1.0 == x: skip the pass
     if params.temperature == 0:
@@ -231,9 +268,7 @@ def sample_next(
         drop_sorted = (probs.cumsum(-1) - probs) >= params.top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         filtered = filtered.masked_fill(drop, float("-inf"))
-    V = logits.shape[-1]
-    u = torch.stack([torch.rand(V, generator=g, device=logits.device) for g in generators])
-    gumbel = -torch.log(-torch.log(u.clamp(min=1e-20)))
+    gumbel = -torch.log(-torch.log(noise.clamp(min=1e-20)))
     tok = (filtered + gumbel).argmax(dim=-1)
     return tok, logp.gather(-1, tok[:, None])[:, 0]
 
@@ -300,11 +335,15 @@ def generate(
     cache = KVCache.for_model(model, len(first), L)
 
     # The running batch: `rows` are the grid rows still decoded, in order. Once at most half
-    # of them are live, the finished ones leave (their KV rows, generators, pad offsets):
+    # of them are live, the finished ones leave (their KV rows, noise generators, pad offsets):
     # the backends are batch-invariant, so a live row's bits do not depend on who else is
     # in the batch, and the later steps cost what the live rows need.
     rows = torch.arange(B, device=device)
-    with phase(model, "rollout"):
+    noise = None if params.temperature == 0 else RowNoise(generators, model.config.vocab_size, params.max_new_tokens, device)
+    # Inference mode: no version counters or autograd keys on the decode's many small ops
+    # (~10% of a tiny-arith decode step). The outputs (`tokens`, `logprobs`, `mask`) were
+    # allocated above, outside it, so they stay normal tensors that a training forward may use.
+    with phase(model, "rollout"), torch.inference_mode():
         logits = model(tokens[first, :P], make_context(pad_left[first], 0, P, L, cache, routing=routing),
                        n_last=1)[:, -1]
         if shared is not None:
@@ -315,7 +354,7 @@ def generate(
         steps = 0
         for t in range(params.max_new_tokens):
             col = P + t
-            tok, lp = sample_next(logits, params, generators)  # [R] for the running rows
+            tok, lp = sample_next(logits, params, noise.next() if noise is not None else None)  # [R] for the running rows
             live = ~done[rows]
             tok = torch.where(live, tok, torch.full_like(tok, pad_id))
             tokens[rows, col] = tok
@@ -339,7 +378,8 @@ def generate(
             running = still.nonzero().flatten()
             if 2 * len(running) <= len(rows):
                 rows, tok = rows[running], tok[running]
-                generators = [generators[i] for i in running.tolist()]
+                if noise is not None:
+                    noise.keep_rows(running)
                 cache.keep_rows(running)
             logits = model(tok[:, None], make_context(pad_left[rows], col, 1, L, cache, routing=routing))[:, -1]
             if routing is not None and len(rows) < B:

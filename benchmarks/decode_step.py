@@ -9,6 +9,7 @@ forward without a graph (what scoring runs) over `--forward ROWSxTOKENS` (64x68:
 the default run's half batch of ~68-token sequences).
 
     python benchmarks/decode_step.py                                   # tiny-arith, jet, 128/64/16/4 rows
+    python benchmarks/decode_step.py --modes inference,no_grad         # what inference mode saves
     python benchmarks/decode_step.py --model smollm2-135m-instruct --flow bf16 --rows 16,4 --forward 16x80
     python benchmarks/decode_step.py --model tiny-chain --rows 64 --cache-len 400 --forward 64x400   # long answers
 
@@ -32,14 +33,16 @@ from fp8rl.rollout.engine import phase
 from fp8rl.rollout.kv_cache import KVCache
 
 
-def time_decode(model, rows: int, prompt_len: int, cache_len: int, repeats: int) -> dict:
-    """Mean seconds of one decode forward over ``rows`` rows, and its torch call count."""
+def time_decode(model, rows: int, prompt_len: int, cache_len: int, repeats: int, mode: str = "inference") -> dict:
+    """Mean seconds of one decode forward over ``rows`` rows, and its torch call count;
+    ``mode``: "inference" (``torch.inference_mode``, what the engine runs) or "no_grad"."""
+    grad_off = torch.inference_mode if mode == "inference" else torch.no_grad
     cache = KVCache.for_model(model, rows, cache_len)
     pad_left = torch.zeros(rows, dtype=torch.long)
     g = torch.Generator().manual_seed(rows)
     prompt = torch.randint(2, model.config.vocab_size, (rows, prompt_len), generator=g)
     token = torch.randint(2, model.config.vocab_size, (rows, 1), generator=g)
-    with torch.no_grad(), phase(model, "rollout"):
+    with grad_off(), phase(model, "rollout"):
         model(prompt, make_context(pad_left, 0, prompt_len, cache_len, cache), n_last=1)
         for i in range(3):  # warm-up: tile measurements, allocator
             model(token, make_context(pad_left, prompt_len + i, 1, cache_len, cache))
@@ -50,7 +53,7 @@ def time_decode(model, rows: int, prompt_len: int, cache_len: int, repeats: int)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             model(token, make_context(pad_left, prompt_len + 3 + repeats, 1, cache_len, cache))
     calls = sum(e.count for e in prof.key_averages())
-    return {"rows": rows, "ms_per_step": seconds * 1e3, "torch_calls": calls}
+    return {"rows": rows, "mode": mode, "ms_per_step": seconds * 1e3, "torch_calls": calls}
 
 
 def time_forward(model, rows: int, tokens: int, repeats: int) -> dict:
@@ -73,6 +76,9 @@ def main() -> int:
     ap.add_argument("--flow", default="jet")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--rows", default="128,64,16,4")
+    ap.add_argument("--modes", default="inference",
+                    help="inference (torch.inference_mode, as the engine) and/or no_grad, comma-separated: "
+                         "each row count is timed under each, alternately")
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--cache-len", type=int, default=0,
@@ -84,16 +90,17 @@ def main() -> int:
     backend = apply_flow(model, args.flow, args.backend).backend
     refresh_weights(model)
     cache_len = max(args.cache_len, (args.prompt_len + 3 + args.repeats + 1 + 15) // 16 * 16)
-    results = [time_decode(model, int(r), args.prompt_len, cache_len, args.repeats) for r in args.rows.split(",")]
+    results = [time_decode(model, int(r), args.prompt_len, cache_len, args.repeats, mode)
+               for r in args.rows.split(",") for mode in args.modes.split(",")]
     f_rows, f_tokens = (int(n) for n in args.forward.lower().split("x"))
     forward = time_forward(model, f_rows, f_tokens, 5)
     print(json.dumps({"model": args.model, "flow": args.flow, "backend": backend.name, "cache_len": cache_len,
                       "threads": torch.get_num_threads(), "results": results, "forward": forward}, indent=2))
     print(f"{args.model}, flow {args.flow}, backend {backend.name}, {torch.get_num_threads()} threads, "
           f"{cache_len} key slots", file=sys.stderr)
-    print(f"{'rows':>6}{'ms/step':>10}{'torch calls':>13}", file=sys.stderr)
+    print(f"{'rows':>6}{'mode':>11}{'ms/step':>10}{'torch calls':>13}", file=sys.stderr)
     for r in results:
-        print(f"{r['rows']:>6}{r['ms_per_step']:>10.2f}{r['torch_calls']:>13}", file=sys.stderr)
+        print(f"{r['rows']:>6}{r['mode']:>11}{r['ms_per_step']:>10.2f}{r['torch_calls']:>13}", file=sys.stderr)
     print(f"training-phase forward, {f_rows} x {f_tokens} tokens, no graph: {forward['ms']:.1f} ms", file=sys.stderr)
     return 0
 

@@ -215,10 +215,10 @@ class RowNoise:
     `torch.rand(chunk, V, generator=g)` draws the numbers that `chunk` successive
     `torch.rand(V, generator=g)` calls draw (a CPU generator fills a tensor
     serially; tests/test_engine.py checks it), so a row's samples are those of one
-    draw per step, for 1/chunk of the calls: a decode step of tiny-arith at 128
-    rows otherwise spends ~130 of its ~1,300 torch calls on per-row draws. The
-    chunk keeps the buffer under `max_floats` (a large vocabulary draws a step at
-    a time, where the draw itself outweighs the call)."""
+    draw per step, for 1/chunk of the calls (the default run's rollout: 2,182 calls
+    of `uniform_` -> 183 under torch.profiler). The chunk keeps the buffer under
+    `max_floats` (a large vocabulary draws a step at a time, where the draw
+    itself outweighs the call)."""
 
     def __init__(self, generators: Sequence[torch.Generator], vocab: int, steps: int, device: torch.device,
                  max_floats: int = 1 << 22) -> None:
@@ -340,8 +340,8 @@ def generate(
     # in the batch, and the later steps cost what the live rows need.
     rows = torch.arange(B, device=device)
     noise = None if params.temperature == 0 else RowNoise(generators, model.config.vocab_size, params.max_new_tokens, device)
-    # Inference mode: no version counters or autograd keys on the decode's many small ops
-    # (~10% of a tiny-arith decode step). The outputs (`tokens`, `logprobs`, `mask`) were
+    # Inference mode: no version counters or autograd dispatch on the decode's many small ops
+    # (`benchmarks/decode_step.py --modes no_grad,inference` times both). The outputs (`tokens`, `logprobs`, `mask`) were
     # allocated above, outside it, so they stay normal tensors that a training forward may use.
     with phase(model, "rollout"), torch.inference_mode():
         logits = model(tokens[first, :P], make_context(pad_left[first], 0, P, L, cache, routing=routing),

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from fp8rl.fp8 import BACKENDS
-from fp8rl.fp8.backends import amx_available
+from fp8rl.fp8.backends import CPUBackend, amx_available
 from fp8rl.model.config import ModelConfig
-from fp8rl.model.transformer import Transformer, make_context
+from fp8rl.model.transformer import Transformer, exact_key_prefixes, make_context
 from fp8rl.precision import PRESETS, apply_flow, refresh_weights
 from fp8rl.rl.metrics import mismatch_metrics
 from fp8rl.rollout.calibrate import calibrate
@@ -139,6 +139,78 @@ def test_vllm_quantizer_convention_keeps_rollout_equal_to_training(monkeypatch):
     res = mismatch_for(PRESETS["jet-kv"].replace(name="jet-kv-vllm", quantizer="vllm"), "reference")
     assert res["bitwise"], res
     assert floors and set(floors) == {2.0**-9}
+
+
+@pytest.mark.parametrize("flow", ["jet", "jet-kv"])
+def test_a_rollout_made_in_inference_mode_feeds_a_training_backward(flow: str):
+    """`generate` runs in inference mode; what it returns must still be normal
+    tensors (a training forward saves the tokens for the embedding's backward) and
+    the weight forms it made lazily must serve a forward with a graph: a
+    backward through `score` after a rollout on a freshly quantized model works
+    and gives every linear a finite gradient."""
+    model = tiny_model(qk_norm=True)
+    apply_flow(model, PRESETS[flow], backend="cpu")  # no refresh: the rollout's forward quantizes
+    if PRESETS[flow].needs_calibration:
+        calibrate(model, *left_pad(prompts(), 0))
+    out = rollout(model, max_new=8, group=2)
+    for name in ("tokens", "pad_left", "completion_mask", "logprobs"):
+        assert not getattr(out, name).is_inference(), name
+    logp, _ = score(model, out)
+    (logp * out.completion_mask).sum().backward()
+    grads = [p.grad for n, p in model.named_parameters() if n.endswith("proj.weight")]
+    assert grads and all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads)
+
+
+class SplitSumBackend(CPUBackend):
+    """`cpu` with a P @ V summed in two halves of the key slots: a kernel whose
+    summation order depends on how many key slots the product gets."""
+
+    name = "split-sum-test"
+
+    def attention_values(self, p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        h = p.shape[-1] // 2
+        return super().attention_values(p[..., :h], v[..., :h, :]) + super().attention_values(p[..., h:], v[..., h:, :])
+
+
+@pytest.mark.parametrize("flow", ["jet", "jet-kv"])
+def test_decode_steps_read_a_key_prefix_only_where_it_was_measured_exact(flow: str, monkeypatch):
+    """A decode step attends over the first `Transformer.key_slots` key slots, a
+    count `exact_key_prefixes` measured to give the bits of all `cache_len` slots,
+    else all of them. On `cpu` every step's count is such a prefix (or L) and
+    holds the step's keys; on a backend whose P @ V sums in an order set by the
+    number of slots, the measurement finds no exact prefix, the steps read all
+    slots, and rollout == training holds on both."""
+    import fp8rl.rollout.engine as engine
+
+    counts: list[tuple[int, int]] = []  # (keys in use, key slots read) per decode step
+    real = engine.make_context
+
+    def recording(pad_left, start, n_tokens, cache_len, *args, **kwargs):
+        if start > 0:  # a decode step
+            counts.append((start + 1, cache_len))
+        return real(pad_left, start, n_tokens, cache_len, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "make_context", recording)
+    for backend, expect_prefix in (("cpu", None), (SplitSumBackend(), False)):
+        model = tiny_model(qk_norm=True)
+        plan = apply_flow(model, PRESETS[flow], backend=backend)
+        refresh_weights(model)
+        if PRESETS[flow].needs_calibration:
+            calibrate(model, *left_pad(prompts(), 0))
+        counts.clear()
+        out = rollout(model, max_new=40, group=2)
+        L = out.cache_len
+        c = model.config
+        attn_plan = model.model.layers[0].self_attn.attention_plan
+        exact = exact_key_prefixes(attn_plan, c.head_dim, L, c.num_heads // c.num_kv_heads)
+        assert counts and all(live <= read and (read == L or read in exact) for live, read in counts), (counts, exact)
+        assert all(read == min([p for p in exact if p >= live], default=L) for live, read in counts)
+        if expect_prefix is False:
+            assert exact == () and all(read == L for _, read in counts), exact
+        with torch.no_grad():
+            logp, _ = score(model, out)
+        m = out.completion_mask
+        assert torch.equal(logp[m], out.logprobs[m]), plan.backend
 
 
 def test_fp8_rollout_flow_is_off_policy():

@@ -31,6 +31,7 @@ output never depends on which other tokens share its experts.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -237,6 +238,43 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Ten
     return out.reshape(B, H, T, D)
 
 
+# A decode step reads the first `KEY_SLOT_STEP * n` key slots that hold its live keys (see
+# `key_slots`); the multiple keeps the key axis's vectorised reductions free of a scalar tail.
+KEY_SLOT_STEP = 16
+
+
+@functools.lru_cache(maxsize=None)
+def exact_key_prefixes(plan: AttentionPlan, head_dim: int, cache_len: int, group: int) -> tuple[int, ...]:
+    """The key-slot counts L' (multiples of KEY_SLOT_STEP below `cache_len`) over which
+    `attend` gives, bit for bit, what it gives over all `cache_len` slots when every
+    slot from L' on is blocked: one query token, `group` query heads per KV head,
+    this plan's storage and backend. Measured once per shape on
+    the CPU at hand, like the row tiles (fp8rl/fp8/backends.py): extra key slots
+    whose probability is exactly 0 add exact zeros to the softmax sum and to the
+    P @ V dot products, but a BLAS kernel chosen from the longer shape could still
+    sum the rest in another order. Keys and values beyond L' are nonzero in the
+    measurement (a decode's cache holds zeros there, the training forward too)."""
+    g = torch.Generator().manual_seed(head_dim * 1009 + cache_len * 17 + group)
+
+    def spread(*shape: int) -> torch.Tensor:  # values over a wide range of magnitudes: order shows
+        return torch.randn(*shape, generator=g) * torch.exp2(torch.randint(-4, 5, shape, generator=g).float())
+
+    B, Hkv = 2, 2
+    q, k, v = spread(B, Hkv * group, 1, head_dim), spread(B, Hkv, cache_len, head_dim), spread(B, Hkv, cache_len, head_dim)
+    slots = torch.arange(cache_len)
+    exact = []
+    for prefix in range(KEY_SLOT_STEP, cache_len, KEY_SLOT_STEP):
+        agree = True
+        for live in (prefix - KEY_SLOT_STEP + 1, prefix):  # the keys in use: the first `live` slots
+            blocked = (slots >= live).expand(B, 1, 1, cache_len)
+            full = attend(q, k, v, blocked, plan)
+            part = attend(q, k[:, :, :prefix], v[:, :, :prefix], blocked[..., :prefix].contiguous(), plan)
+            agree = agree and torch.equal(full, part)
+        if agree:
+            exact.append(prefix)
+    return tuple(exact)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -281,6 +319,8 @@ class Attention(nn.Module):
         L = ctx.cache_len
         if ctx.cache is not None:
             k_all, v_all = ctx.cache.update(self.layer_idx, ctx.start, k_val, v_val)
+            if k_all.shape[2] != L:  # a decode step reads only the slots its context covers (`key_slots`)
+                k_all, v_all = k_all[:, :, :L], v_all[:, :, :L]
         else:
             if ctx.start != 0:
                 raise ValueError("a forward without a KV cache must start at slot 0")
@@ -468,6 +508,21 @@ class Transformer(nn.Module):
         freqs = positions.float()[..., None] * self.inv_freq.float()  # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
+
+    def key_slots(self, n_live: int, cache_len: int) -> int:
+        """How many leading key slots a decode step whose keys sit in the first `n_live`
+        slots attends over: the smallest count that holds them among those measured
+        to give the bits of all `cache_len` slots (`exact_key_prefixes`, for every
+        layer's plan), else `cache_len`. The training forward attends over all
+        `cache_len`; a short prefix spares a decode step the masked slots (the keys
+        of the tokens not sampled yet)."""
+        if n_live >= cache_len:
+            return cache_len
+        c = self.config
+        plans = {layer.self_attn.attention_plan for layer in self.model.layers}
+        group = c.num_heads // c.num_kv_heads
+        exact = set.intersection(*(set(exact_key_prefixes(p, c.head_dim, cache_len, group)) for p in plans))
+        return min((p for p in exact if p >= n_live), default=cache_len)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """lm_head logits [..., vocab]. Under a flow: BF16 operands and the head

@@ -381,7 +381,9 @@ def generate(
                 if noise is not None:
                     noise.keep_rows(running)
                 cache.keep_rows(running)
-            logits = model(tok[:, None], make_context(pad_left[rows], col, 1, L, cache, routing=routing))[:, -1]
+            # the step's keys sit in slots [0, col]: it attends over the first `key_slots` of the L
+            keys = model.key_slots(col + 1, L)
+            logits = model(tok[:, None], make_context(pad_left[rows], col, 1, keys, cache, routing=routing))[:, -1]
             if routing is not None and len(rows) < B:
                 _widen_routing(routing, rows, B)
 

@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from fp8rl.model.transformer import Transformer, make_context
+from fp8rl.model.transformer import KEY_SLOT_STEP, Transformer, make_context
 from fp8rl.precision import phase
 
 from .kv_cache import KVCache, PromptKV
@@ -168,10 +168,9 @@ def token_entropy(logp: torch.Tensor) -> torch.Tensor:
 
 
 def default_cache_len(prompt_len: int, max_new_tokens: int) -> int:
-    """Key slots for a rollout: rounded up to a multiple of 16 so vectorised
-    reductions over the key axis never take a scalar tail path."""
-    n = prompt_len + max_new_tokens
-    return (n + 15) // 16 * 16
+    """Key slots for a rollout: rounded up to a multiple of KEY_SLOT_STEP (16) so
+    vectorised reductions over the key axis never take a scalar tail path."""
+    return -(-(prompt_len + max_new_tokens) // KEY_SLOT_STEP) * KEY_SLOT_STEP
 
 
 def prompt_groups(prompt_tokens: torch.Tensor, pad_left: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -339,10 +338,11 @@ def generate(
     # the backends are batch-invariant, so a live row's bits do not depend on who else is
     # in the batch, and the later steps cost what the live rows need.
     rows = torch.arange(B, device=device)
-    noise = None if params.temperature == 0 else RowNoise(generators, model.config.vocab_size, params.max_new_tokens, device)
+    noise = None if params.temperature == 0 else RowNoise(generators, model.config.vocab_size,
+                                                           params.max_new_tokens, device)
     # Inference mode: no version counters or autograd dispatch on the decode's many small ops
-    # (`benchmarks/decode_step.py --modes no_grad,inference` times both). The outputs (`tokens`, `logprobs`, `mask`) were
-    # allocated above, outside it, so they stay normal tensors that a training forward may use.
+    # (`benchmarks/decode_step.py --modes no_grad,inference` times both). The outputs (`tokens`,
+    # `logprobs`, `mask`) were allocated above, outside it: normal tensors a training forward may use.
     with phase(model, "rollout"), torch.inference_mode():
         logits = model(tokens[first, :P], make_context(pad_left[first], 0, P, L, cache, routing=routing),
                        n_last=1)[:, -1]
@@ -354,7 +354,8 @@ def generate(
         steps = 0
         for t in range(params.max_new_tokens):
             col = P + t
-            tok, lp = sample_next(logits, params, noise.next() if noise is not None else None)  # [R] for the running rows
+            step_noise = noise.next() if noise is not None else None
+            tok, lp = sample_next(logits, params, step_noise)  # [R] for the running rows
             live = ~done[rows]
             tok = torch.where(live, tok, torch.full_like(tok, pad_id))
             tokens[rows, col] = tok

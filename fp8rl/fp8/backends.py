@@ -78,14 +78,29 @@ _MIN_ROWS = 16
 _NATIVE_ROWS = 128
 
 
-def _k_blocks(x: torch.Tensor, bk: int, s: torch.Tensor | None = None, copy: bool = True) -> list[torch.Tensor]:
-    """FP32 ``[rows, bk]`` slices of ``x`` along K, each times its per-row scale;
-    contiguous copies, or (``copy=False``, no scales) views of ``x``: an operand used
-    once (a backward GEMM's) is read in place, the transposed layout left to BLAS."""
+def _k_blocks(x: torch.Tensor, bk: int, s: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """FP32 ``[rows, bk]`` slices of ``x`` along K (contiguous copies), each times its
+    per-row scale ``s [rows, ceil(K/bk)]`` if given."""
     n = -(-x.shape[1] // bk)
     if s is None:
-        return [x[:, j * bk : (j + 1) * bk].contiguous() if copy else x[:, j * bk : (j + 1) * bk] for j in range(n)]
+        return [x[:, j * bk : (j + 1) * bk].contiguous() for j in range(n)]
     return [x[:, j * bk : (j + 1) * bk] * s[:, j, None] for j in range(n)]
+
+
+def _block_scaled(x: torch.Tensor, s: torch.Tensor, bk: int) -> torch.Tensor:
+    """FP32 ``x [rows, K]`` times its per-row block scales ``s [rows, ceil(K/bk)]``,
+    each element the product ``_k_blocks`` makes (the same bits), in one tensor."""
+    return x * s.float().repeat_interleave(bk, dim=1)[:, : x.shape[1]]
+
+
+def _full_k(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """A backward GEMM (``invariant=False``): FP32 ``a [M, K] @ b [N, K].T`` in one BLAS
+    call over the whole K, on operands whose block scales are already applied. The
+    same products as the K-block calls of the forward, summed in BLAS's order:
+    nothing compares a backward GEMM's rows across batches, and one call instead
+    of one per 128 of K (the token axis of a weight gradient) saves most of its
+    per-call overhead."""
+    return a @ b.T
 
 
 def _accumulate_tile(a: torch.Tensor, b_blocks: list[torch.Tensor], bk: int) -> torch.Tensor:
@@ -108,11 +123,7 @@ def _accumulate_tile(a: torch.Tensor, b_blocks: list[torch.Tensor], bk: int) -> 
 
 
 def _accumulate_k_blocks(
-    a: torch.Tensor,
-    b_blocks: list[torch.Tensor],
-    bk: int,
-    sa: torch.Tensor | None = None,
-    invariant: bool = True,
+    a: torch.Tensor, b_blocks: list[torch.Tensor], bk: int, sa: torch.Tensor | None = None
 ) -> torch.Tensor:
     """FP32 ``sum_kb (a_kb * sa_kb) @ b_kb.T``, one BLAS call per K block, in K order.
 
@@ -126,13 +137,11 @@ def _accumulate_k_blocks(
     counts of ``_fp32_row_tiles`` (measured per shape; all tiles of a long input
     in one batched call where measured to give each tile's own bits), and each
     call's K is ``bk`` (full-K FP32 GEMMs were not invariant: MKL splits long K
-    across threads). ``invariant=False``: one call per K block on all rows.
+    across threads). Backward GEMMs take ``_full_k`` instead.
     """
     if sa is not None:  # a_kb * sa_kb, elementwise as the product of the block would be
-        a = a * sa.float().repeat_interleave(bk, dim=1)[:, : a.shape[1]]
+        a = _block_scaled(a, sa, bk)
     gemm = functools.partial(_accumulate_tile, b_blocks=b_blocks, bk=bk)
-    if not invariant:
-        return gemm(a)
     return _tiled_rows(a, _fp32_row_tiles(bk, b_blocks[0].shape[0]), gemm)
 
 
@@ -480,11 +489,15 @@ class Backend:
 
         Default, the emulation of ``reference`` and ``cpu``: BF16-rounded operands
         (exact products in FP32), FP32 accumulation per ``bk``-wide K block like the
-        FP8 GEMM, hence the same batch invariance."""
-        key = "fp32_blocks" if invariant else "fp32_block_views"  # the forward's own layout, as measured
-        if key not in cache:
-            cache[key] = _k_blocks(b.bfloat16().float(), self.bk, copy=invariant)
-        return _accumulate_k_blocks(a.bfloat16().float(), cache[key], self.bk, invariant=invariant)
+        FP8 GEMM, hence the same batch invariance; a backward GEMM (``invariant=False``)
+        in one full-K call (``_full_k``)."""
+        if not invariant:
+            if "fp32_full" not in cache:
+                cache["fp32_full"] = b.bfloat16().float()
+            return _full_k(a.bfloat16().float(), cache["fp32_full"])
+        if "fp32_blocks" not in cache:
+            cache["fp32_blocks"] = _k_blocks(b.bfloat16().float(), self.bk)
+        return _accumulate_k_blocks(a.bfloat16().float(), cache["fp32_blocks"], self.bk)
 
     def head_logits(self, h: torch.Tensor, w: torch.Tensor, cache: dict) -> torch.Tensor:
         """LM-head logits ``h [N, D] @ w [V, D].T`` on BF16 operands -> FP32, batch-invariant."""
@@ -607,8 +620,12 @@ class CPUBackend(Backend):
     batch_invariant = True
 
     def fp8_matmul(self, a: QTensor, b: QTensor, out_dtype: torch.dtype, invariant: bool = True) -> torch.Tensor:
-        out = _accumulate_k_blocks(fp8_to_float(a.data), self._weight_blocks(b), a.block[1], _row_scales(a), invariant)
-        return out.to(out_dtype)
+        bk = a.block[1]
+        if not invariant:  # a backward GEMM: the same scaled operands, one full-K call
+            if "cpu_full" not in b.cache:  # the dgrad's weight: once per quantization
+                b.cache["cpu_full"] = _block_scaled(fp8_to_float(b.data), _row_scales(b), bk)
+            return _full_k(_block_scaled(fp8_to_float(a.data), _row_scales(a), bk), b.cache["cpu_full"]).to(out_dtype)
+        return _accumulate_k_blocks(fp8_to_float(a.data), self._weight_blocks(b), bk, _row_scales(a)).to(out_dtype)
 
     def linear_input(
         self, x: torch.Tensor, bk: int, scale_fmt: str, name: str, amax_floor: float = AMAX_FLOOR

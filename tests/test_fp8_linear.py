@@ -319,6 +319,51 @@ def test_linears_of_one_input_share_its_quantization_and_change_no_bit(flow_name
     assert seen == hooked
 
 
+@pytest.mark.parametrize("grad", [False, True])
+def test_linears_of_one_input_take_one_stacked_gemm_where_measured_to_change_no_bit(grad: bool, monkeypatch):
+    """On `cpu`, q/k/v-like linears of one input get their GEMMs from one stacked call
+    (`fp8_linear_group`) exactly where `_group_gemm_exact` measured that to give each
+    layer its own call's bits on this CPU, and then the bits of one call per layer,
+    outputs and gradients; with the measurement forced to fail, one call per layer."""
+    from fp8rl.fp8 import backends as fb
+    from fp8rl.fp8.linear import linears_of_one_input
+
+    g = torch.Generator().manual_seed(5)
+    ns = (N, 128, 128)
+    lins = [nn.Linear(K, n, bias=False) for n in ns]
+    x = torch.randn(*T_SHAPE, K, generator=g)
+    dys = [torch.randn(*T_SHAPE, n, generator=g) for n in ns]
+    single = []
+    real = fb.CPUBackend.fp8_linear
+    monkeypatch.setattr(fb.CPUBackend, "fp8_linear", lambda self, *a: (single.append(1), real(self, *a))[1])
+
+    def run_layers(stacked: bool):
+        layers = [FP8Linear.from_linear(lin, plan("jet")) for lin in lins]
+        for layer in layers:
+            layer.weight.grad = None
+        xa = x.clone().requires_grad_(grad)
+        single.clear()
+        with torch.set_grad_enabled(grad):
+            ys = linears_of_one_input(xa, layers) if stacked else [layer(xa) for layer in layers]
+        n_single = len(single)
+        if grad:
+            torch.autograd.backward(ys, dys)
+            return ys, n_single, [xa.grad] + [layer.weight.grad.clone() for layer in layers]
+        return ys, n_single, []
+
+    exact = fb._group_gemm_exact(128, K, ns)
+    ys_one, n_one, grads_one = run_layers(stacked=False)
+    ys, n_stacked, grads = run_layers(stacked=True)
+    assert n_one == 3 and n_stacked == (0 if exact else 3), exact
+    assert all(torch.equal(a, b) for a, b in zip(ys_one, ys))
+    assert all(torch.equal(a, b) for a, b in zip(grads_one, grads))
+    monkeypatch.setattr(fb, "_group_gemm_exact", lambda *a: False)
+    ys, n_forced, grads = run_layers(stacked=True)
+    assert n_forced == 3
+    assert all(torch.equal(a, b) for a, b in zip(ys_one, ys))
+    assert all(torch.equal(a, b) for a, b in zip(grads_one, grads))
+
+
 def test_weight_caches_follow_the_flow():
     for name, has_q, has_bf16 in [("bf16", False, True), ("jet", True, True), ("jet-e2e", True, False)]:
         _, layer, _, _ = setup(name)

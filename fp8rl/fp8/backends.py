@@ -40,7 +40,7 @@ from __future__ import annotations
 import functools
 import warnings
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -347,6 +347,35 @@ def _fp32_row_tiles(bk: int, n: int) -> RowTiles:
     return RowTiles(tiles.sizes, batched)
 
 
+def _stacked_blocks(per_weight: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """``_k_blocks`` of several ``[N_i, K]`` weights -> the K blocks of their ``[sum N_i, K]`` stack."""
+    return [torch.cat(blocks) for blocks in zip(*per_weight, strict=True)]
+
+
+@functools.lru_cache(maxsize=None)
+def _group_gemm_exact(bk: int, k: int, ns: tuple[int, ...]) -> bool:
+    """Whether ``_accumulate_k_blocks`` against weights of ``ns`` outputs stacked along N
+    gives every weight's columns the bits of that weight's own call, measured once
+    per shape on this CPU with order-sensitive data (``order_sensitive_rows``) at the
+    row counts of a decode step (1, 3, every row tile of the stack and of each
+    weight) and of a long input (two big tiles and a padded one). The linears of
+    one input take the stacked call where it holds (one BLAS call and one pass of
+    Python instead of one per linear, the same bits); MKL computes an output
+    column the same whatever N around it on a 2-core AMD EPYC with AVX2 (every
+    shape of tiny-arith and SmolLM2-135M)."""
+    g = torch.Generator().manual_seed(k * 100_003 + sum(ns) * 7 + len(ns))
+    per_weight = [_k_blocks(order_sensitive_cols(n, k, g), bk) for n in ns]
+    stacked = _stacked_blocks(per_weight)
+    tiles = [_fp32_row_tiles(bk, n) for n in (sum(ns), *ns)]
+    rows = {1, 3, 2 * tiles[0].big + 5, *(t for tile in tiles for t in tile.sizes)}
+    for m in sorted(rows):
+        x = order_sensitive_rows(m, k, g)
+        alone = torch.cat([_accumulate_k_blocks(x, blocks, bk) for blocks in per_weight], dim=1)
+        if not torch.equal(_accumulate_k_blocks(x, stacked, bk), alone):
+            return False
+    return True
+
+
 def _tiled_rows(
     a: torch.Tensor, tiles: RowTiles, gemm: Callable[[torch.Tensor], torch.Tensor], out_dtype: torch.dtype | None = None
 ) -> torch.Tensor:
@@ -482,6 +511,13 @@ class Backend:
         width) times the block-quantized weight ``w [N, K]`` -> FP32 ``[T, N]``,
         batch-invariant, the bits of ``fp8_matmul(quantize(x), w)``."""
         return self.fp8_matmul(xq, w, torch.float32)
+
+    def fp8_linear_group(self, xq: QTensor | torch.Tensor, ws: Sequence[QTensor]) -> list[torch.Tensor] | None:
+        """The forward GEMMs of several linears of one input (q/k/v, gate/up) in one call:
+        ``[fp8_linear(xq, w) for w in ws]``, the same bits, or None where this backend
+        has no such call or it was not measured to give those bits on this CPU (the
+        caller then makes one call per weight). Default: None."""
+        return None
 
     def bf16_matmul(self, a: torch.Tensor, b: torch.Tensor, cache: dict, invariant: bool = True) -> torch.Tensor:
         """``a [M, K] @ b [N, K].T`` with BF16-rounded operands -> FP32 ``[M, N]``.
@@ -638,6 +674,19 @@ class CPUBackend(Backend):
         """The dequantized input into the same K-block GEMMs as ``fp8_matmul``: the
         same operands, hence the same bits."""
         return _accumulate_k_blocks(xq, self._weight_blocks(w), w.block[1])
+
+    def fp8_linear_group(self, xq: torch.Tensor, ws: Sequence[QTensor]) -> list[torch.Tensor] | None:
+        """The weights' dequantized K blocks stacked along N (made once per quantization,
+        kept in the first weight's cache) in one ``_accumulate_k_blocks`` call, where
+        ``_group_gemm_exact`` measured that to give each weight's own bits."""
+        bk, ns = ws[0].block[1], tuple(w.shape[0] for w in ws)
+        if len(ws) < 2 or any(w.block[1] != bk for w in ws) or not _group_gemm_exact(bk, xq.shape[-1], ns):
+            return None
+        made = ws[0].cache.get("cpu_group")
+        if made is None or len(made[0]) != len(ws) or any(a is not b for a, b in zip(made[0], ws)):
+            made = (tuple(ws), _stacked_blocks([self._weight_blocks(w) for w in ws]))
+            ws[0].cache["cpu_group"] = made
+        return list(_accumulate_k_blocks(xq, made[1], bk).split(ns, dim=1))
 
     @staticmethod
     def _weight_blocks(b: QTensor) -> list[torch.Tensor]:

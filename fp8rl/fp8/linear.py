@@ -88,13 +88,20 @@ class _Call:
     transport_counts: torch.Tensor  # the layer's running TRANSPORT_COUNTS (an FP8 grad transport adds to it)
 
 
-def _fprop(x: torch.Tensor, bias: torch.Tensor | None, call: _Call, xq: QTensor | torch.Tensor | None) -> torch.Tensor:
+def _fprop(
+    x: torch.Tensor, bias: torch.Tensor | None, call: _Call, xq: QTensor | torch.Tensor | None,
+    product: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The forward GEMM: x ``[..., K]`` -> y ``[..., N]`` in x's dtype. The one
     code path of rollout, scoring and the training forward. ``xq``: x's FP8
-    form (``_quantized_input``) if another linear of the same input made it."""
+    form (``_quantized_input``) if another linear of the same input made it;
+    ``product``: the FP32 ``[T, N]`` GEMM result if a stacked call of the linears
+    of this input made it (``Backend.fp8_linear_group``, the same bits)."""
     plan = call.plan
     x2 = x.reshape(-1, x.shape[-1])  # [T, K]
-    if plan.fprop == "fp8":
+    if product is not None:
+        y = product
+    elif plan.fprop == "fp8":
         y = plan.backend.fp8_linear(_quantized_input(x2, plan, call.name) if xq is None else xq, call.qweight)
     else:
         y = plan.backend.bf16_matmul(x2, call.weight_bf16, call.bf16_caches[0])
@@ -136,12 +143,12 @@ class _FP8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, call: _Call,
-        xq: QTensor | torch.Tensor | None,
+        xq: QTensor | torch.Tensor | None, product: torch.Tensor | None,
     ) -> torch.Tensor:
         ctx.save_for_backward(x.reshape(-1, x.shape[-1]))
         ctx.call, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = call, x.shape, x.dtype, weight.dtype
         ctx.b_dtype = None if bias is None else bias.dtype
-        return _fprop(x, bias, call, xq)
+        return _fprop(x, bias, call, xq, product)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
@@ -175,7 +182,7 @@ class _FP8LinearFn(torch.autograd.Function):
             dw = dw.to(ctx.w_dtype)
         if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
             db = dy2.sum(0).to(ctx.b_dtype)  # FP32 sum over tokens
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
 
 
 class FP8Linear(nn.Module):
@@ -275,14 +282,18 @@ class FP8Linear(nn.Module):
         with torch.no_grad():  # the backward requantizes from the saved x
             return _quantized_input(x.detach().reshape(-1, x.shape[-1]), self.plan, self.name)
 
-    def forward(self, x: torch.Tensor, xq: QTensor | torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, xq: QTensor | torch.Tensor | None = None, product: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``xq``: ``quantized_input(x)`` of a linear with the same ``input_key``, when
-        one was made for another linear of this input (``linears_of_one_input``)."""
+        one was made for another linear of this input; ``product``: this layer's FP32
+        GEMM result ``[T, N]`` from their stacked call (both by ``linears_of_one_input``;
+        the backward is this layer's own either way)."""
         self.ensure_fresh()
         call = _Call(self.plan, self.qweight, self.weight_bf16, self._bf16_caches, self.name, self.transport_counts)
         if not torch.is_grad_enabled():  # rollout / scoring: no autograd node to build
-            return _fprop(x, self.bias, call, xq)
-        return _FP8LinearFn.apply(x, self.weight, self.bias, call, xq)
+            return _fprop(x, self.bias, call, xq, product)
+        return _FP8LinearFn.apply(x, self.weight, self.bias, call, xq, product)
 
     def extra_repr(self) -> str:
         p = self.plan
@@ -296,16 +307,27 @@ def linears_of_one_input(x: torch.Tensor, layers: Sequence[nn.Module]) -> list[t
     """``[layer(x) for layer in layers]``, the same bits, with the FP8 input
     quantization done once for all the FP8Linears that quantize ``x`` alike
     (q/k/v, gate/up): one quantization per input instead of one per linear,
-    the most frequent small work of a decode step. Other modules (an
-    ``nn.Linear``, a BF16 forward) are called as they are."""
-    shared: dict[tuple, QTensor | torch.Tensor] = {}
-    outs = []
-    for layer in layers:
+    the most frequent small work of a decode step; and their GEMMs in one
+    stacked call where the backend has one measured to give each layer's bits
+    (``Backend.fp8_linear_group``). Every layer is still called as a module
+    (its hooks run; a layer with a forward pre-hook, which may change its input,
+    gets its own GEMM). Other modules (an ``nn.Linear``, a BF16 forward) are
+    called as they are."""
+    groups: dict[tuple, list[int]] = {}  # input_key -> positions of the layers that share it
+    for i, layer in enumerate(layers):
         key = layer.input_key() if isinstance(layer, FP8Linear) else None
-        if key is None:
-            outs.append(layer(x))
-            continue
-        if key not in shared:
-            shared[key] = layer.quantized_input(x)
-        outs.append(layer(x, shared[key]))
-    return outs
+        if key is not None:
+            groups.setdefault(key, []).append(i)
+    shared: dict[int, tuple[QTensor | torch.Tensor, torch.Tensor | None]] = {}  # position -> (xq, product)
+    for members in groups.values():
+        first = layers[members[0]]
+        xq = first.quantized_input(x)
+        products: list[torch.Tensor] | None = None
+        if len(members) > 1 and not any(layers[i]._forward_pre_hooks for i in members):
+            for i in members:
+                layers[i].ensure_fresh()
+            with torch.no_grad():
+                products = first.plan.backend.fp8_linear_group(xq, [layers[i].qweight for i in members])
+        for j, i in enumerate(members):
+            shared[i] = (xq, None if products is None else products[j])
+    return [layer(x, *shared[i]) if i in shared else layer(x) for i, layer in enumerate(layers)]

@@ -1,6 +1,7 @@
 """Answer extraction, comparison and rewards on tricky strings."""
 
 import builtins
+import gc
 import random
 import re
 import signal
@@ -287,10 +288,19 @@ def seconds_taken(call) -> float:
     still running after 5 s. The thread's, not the process's: `time.process_time()`
     also counts the test process's other threads (torch's thread pools, left by
     earlier tests), and in one CI run gave 0.745 s for an `extract_answer` call that
-    takes 0.03-0.05 s of CPU."""
-    start = time.thread_time()
-    finished = run_with_time_limit(lambda: [call()], 5.0)
-    return time.thread_time() - start if finished is not None else 5.0
+    takes 0.03-0.05 s of CPU. Python's garbage collector is run before and kept off during
+    the call: a collection that the call's allocations trigger walks every object the
+    test process holds (models, caches of earlier tests) on this thread's clock. A full
+    local run of the suite gave 0.725 s for an `equations_correct` call that takes
+    0.045 s alone, the likely cause."""
+    gc.collect()
+    gc.disable()
+    try:
+        start = time.thread_time()
+        finished = run_with_time_limit(lambda: [call()], 5.0)
+        return time.thread_time() - start if finished is not None else 5.0
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize("case", sorted(adversarial(10)))

@@ -364,6 +364,31 @@ def test_linears_of_one_input_take_one_stacked_gemm_where_measured_to_change_no_
     assert all(torch.equal(a, b) for a, b in zip(grads_one, grads))
 
 
+def test_a_requantized_weight_is_freed_at_once_after_a_stacked_gemm():
+    """The stacked weight blocks of `fp8_linear_group` live in the first weight's cache; they
+    must not form a reference cycle with it, or every optimizer step's quantized weights
+    (and their FP32 blocks) would stay in memory until Python's cyclic collector ran
+    (a default run's peak memory grew 0.65 -> 0.83 GB that way)."""
+    import gc
+    import weakref
+
+    from fp8rl.fp8.linear import linears_of_one_input
+
+    layers = [FP8Linear.from_linear(nn.Linear(K, n, bias=False), plan("jet")) for n in (N, 128)]
+    x = torch.randn(4, K)
+    with torch.no_grad():
+        linears_of_one_input(x, layers)
+        old = [weakref.ref(layer.qweight) for layer in layers]
+        gc.disable()
+        try:
+            for layer in layers:
+                layer.weight.mul_(0.5)  # an optimizer step: the next forward requantizes
+            linears_of_one_input(x, layers)
+            assert [r() is None for r in old] == [True, True]
+        finally:
+            gc.enable()
+
+
 def test_weight_caches_follow_the_flow():
     for name, has_q, has_bf16 in [("bf16", False, True), ("jet", True, True), ("jet-e2e", True, False)]:
         _, layer, _, _ = setup(name)

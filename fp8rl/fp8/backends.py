@@ -682,9 +682,11 @@ class CPUBackend(Backend):
         bk, ns = ws[0].block[1], tuple(w.shape[0] for w in ws)
         if len(ws) < 2 or any(w.block[1] != bk for w in ws) or not _group_gemm_exact(bk, xq.shape[-1], ns):
             return None
+        # Kept by the first weight with the others it was made with (not the first itself: a
+        # reference cycle would keep every step's weights until the cyclic garbage collector ran).
         made = ws[0].cache.get("cpu_group")
-        if made is None or len(made[0]) != len(ws) or any(a is not b for a, b in zip(made[0], ws)):
-            made = (tuple(ws), _stacked_blocks([self._weight_blocks(w) for w in ws]))
+        if made is None or len(made[0]) != len(ws) - 1 or any(a is not b for a, b in zip(made[0], ws[1:])):
+            made = (tuple(ws[1:]), _stacked_blocks([self._weight_blocks(w) for w in ws]))
             ws[0].cache["cpu_group"] = made
         return list(_accumulate_k_blocks(xq, made[1], bk).split(ns, dim=1))
 

@@ -13,7 +13,9 @@ A backend owns the arithmetic of the flows (docs/design.md section 3):
   Backends differ only in how the promotion and the sum are rounded.
 - ``linear_input(x)`` / ``fp8_linear(xq, w)``: a linear's forward, ``x`` quantized
   to 1x128 blocks then ``fp8_matmul`` (a backend may keep the quantized input in
-  the form its GEMM multiplies); linears of one input (q/k/v, gate/up) share ``xq``.
+  the form its GEMM multiplies); linears of one input (q/k/v, gate/up) share ``xq``,
+  and ``fp8_linear_group(xq, ws)`` makes their GEMMs in one call where a backend has
+  one measured to give each weight's own bits (``cpu``), else None.
 - ``bf16_matmul(a, b)``: the BF16 GEMM of the flows' BF16 steps, ``a @ b.T``.
 - ``head_logits`` / ``head_grads``: the LM head (BF16 operands) and its gradient.
 - ``attention_scores`` / ``attention_values``: the two attention products.

@@ -1,14 +1,22 @@
 """Which backend is fastest here: GRPO steps per backend, side by side, and what `auto` picks.
 
-`backend = "auto"` (fp8rl/fp8/backends.py `choose_backend`) picks `amx` on CPUs
-with AMX tiles and `cpu` elsewhere, for every model size, after checking batch
-invariance on the model's shapes. This script is the measurement behind that
-rule: the same GRPO steps (the trainer, default task, fixed seed) on every
+`backend = "auto"` (fp8rl/fp8/backends.py `choose_backend`, its rule `fast_backend`)
+picks `amx` on CPUs with AMX tiles (every model size), `amx` on CPUs with AVX512-BF16
+and no AMX for models at least `AVX512_BF16_MIN_WIDTH` wide and `cpu` below, `cpu` on
+AVX2-only CPUs, after checking batch invariance on the model's shapes. This script is
+the measurement behind that rule: the same GRPO steps (the trainer, default task, fixed seed) on every
 backend in the registry, for the built-in tiny policy and SmolLM2-135M, bf16 and
 jet flows; the first step is a warm-up, the next ones are timed.
 
     python benchmarks/backends.py                          # both models (about 6 min on 2 cores)
     python benchmarks/backends.py --models tiny-arith --steps 4
+    python benchmarks/backends.py --models tiny-arith,width-192,width-256,width-384   # where the pick turns
+
+`width-N` is tiny-arith's architecture widened to hidden size N (MLP 3N, heads of 32,
+half as many KV heads) with seeded random weights and tiny-arith's tokenizer, run on
+the default run's batch: the model sizes between the tiny policy and SmolLM2, to see
+at which width a backend overtakes another on this CPU. Its answers are random
+tokens that run to the 48-token budget, so compare its rows with each other only.
 
 Run it on each kind of CPU, or let oneDNN / MKL / torch take another CPU's code
 path on this one (what tests/test_engine.py OTHER_CPUS does):
@@ -37,7 +45,7 @@ from pathlib import Path
 import torch
 
 from fp8rl.config import RunConfig
-from fp8rl.fp8.backends import BACKENDS, amx_available, resolve_backend
+from fp8rl.fp8.backends import BACKENDS, amx_available, avx512_bf16_available, resolve_backend
 
 MODEL_SETTINGS = {
     # the default run's batch (configs/default.toml)
@@ -47,6 +55,30 @@ MODEL_SETTINGS = {
     "smollm2-135m-instruct": {"rollout.prompts_per_step": 4, "rollout.group_size": 4,
                               "rollout.max_new_tokens": 64, "train.micro_batches": 1},
 }
+
+
+def width_model(name: str, folder: Path) -> str:
+    """``width-N`` -> the path of a random-weight tiny-arith of hidden size N written
+    under ``folder`` (any other name is returned as it is)."""
+    if not name.startswith("width-"):
+        return name
+    import dataclasses
+
+    from fp8rl.model import load
+    from fp8rl.model.export import export_hf
+    from fp8rl.model.transformer import Transformer
+
+    width = int(name.removeprefix("width-"))
+    if width % 64:
+        raise SystemExit(f"{name}: the width must be a multiple of 64 (heads of 32, half as many KV heads)")
+    tiny, tok = load("tiny-arith")
+    config = dataclasses.replace(tiny.config, hidden_size=width, intermediate_size=3 * width,
+                                 num_heads=width // 32, num_kv_heads=width // 64)
+    torch.manual_seed(width)
+    out = folder / name
+    if not out.exists():
+        export_hf(Transformer(config), tok, out, dtype=torch.float32)
+    return str(out)
 
 
 def time_steps(model: str, flow: str, backend: str, steps: int) -> dict:
@@ -65,7 +97,7 @@ def _time_steps(model: str, flow: str, backend: str, steps: int) -> dict:
         cfg = RunConfig().replace(**{
             "model": model, "flow": flow, "backend": backend, "out": str(Path(tmp) / "run"), "seed": 0,
             "train.steps": steps, "train.lr": 1e-6, "eval.n": 0, "eval.every": 0, "checkpoint.every": 0,
-            **MODEL_SETTINGS[model],
+            **MODEL_SETTINGS.get(model, MODEL_SETTINGS["tiny-arith"]),
         })
         policy, tok = load(model)
         trainer = Trainer(cfg, model=policy, tokenizer=tok, log=lambda s: None)
@@ -88,22 +120,27 @@ def main() -> int:
     from fp8rl.model import load
 
     rows, picks = [], {}
-    for model in args.models.split(","):
+    models = tempfile.TemporaryDirectory()
+    for name in args.models.split(","):
+        model = width_model(name, Path(models.name))
         names = args.backends.split(",") if args.backends else [
-            b for b in BACKENDS if not (b == "reference" and model != "tiny-arith")]
-        picks[model] = resolve_backend("auto", load(model)[0]).name
+            b for b in BACKENDS if not (b == "reference" and name != "tiny-arith")]
+        picks[name] = resolve_backend("auto", load(model)[0]).name
         for flow in args.flows.split(","):
             for backend in names:
                 t0 = time.perf_counter()
-                rows.append(time_steps(model, flow, backend, args.steps))
-                print(f"{model} {flow} {backend}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+                rows.append({**time_steps(model, flow, backend, args.steps), "model": name})
+                print(f"{name} {flow} {backend}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    models.cleanup()
     env = {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
            if k in os.environ}
     report = {"torch": torch.__version__, "threads": torch.get_num_threads(), "amx_tiles": amx_available(),
+              "avx512_bf16": avx512_bf16_available(),
               "cpu_capability": torch.backends.cpu.get_cpu_capability(), "env": env, "auto_picks": picks,
               "results": rows}
     print(json.dumps(report, indent=2))
-    print(f"\nAMX tiles: {amx_available()}, torch kernels: {report['cpu_capability']}, env: {env or '-'}",
+    print(f"\nAMX tiles: {amx_available()}, AVX512-BF16: {avx512_bf16_available()}, "
+          f"torch kernels: {report['cpu_capability']}, env: {env or '-'}",
           file=sys.stderr)
     print(f"{'model':<24}{'flow':<6}{'backend':<11}{'rollout s':>10}{'train s':>9}{'step s':>8}{'vs fastest':>11}"
           f"{'tmpe':>10}{'peak MB':>9}  auto", file=sys.stderr)

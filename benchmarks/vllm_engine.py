@@ -56,7 +56,7 @@ def main() -> int:
     ap.add_argument("--json", help="write the report here (vLLM logs to stdout too)")
     args = ap.parse_args()
 
-    from fp8rl.fp8.backends import choose_backend
+    from fp8rl.fp8.backends import fast_backend
     from fp8rl.model import load
     from fp8rl.precision import PRESETS, apply_flow, refresh_weights
     from fp8rl.prompts import encode_prompts
@@ -66,13 +66,13 @@ def main() -> int:
     from fp8rl.tasks import make_task
 
     vllm = import_vllm()
-    backend = choose_backend(torch.device("cpu")).name
     problems = make_task("arith").test_problems(args.batch)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     results = []
     for src in args.models.split(","):
         for flow in ["vllm", *args.flows.split(",")]:
             model, tok = load(src)
+            backend = fast_backend(model).name  # the same backend for every flow of a model
             prompts = encode_prompts(tok, [p.question for p in problems])
             kw = dict(eos_ids=[], pad_id=tok.pad_token_id, seeds=list(range(len(prompts))))
             row = {"model": src, "engine": "vllm" if flow == "vllm" else "fp8rl", "flow": "bf16" if flow == "vllm" else flow}

@@ -14,8 +14,10 @@ several times slower than float32 on this CPU), gradient checkpointing off
 training forward/backward over the whole batch, as fp8rl does with
 `train.micro_batches=1` (where the training forward's log-probs also serve as
 the old ones for the mismatch metrics and importance weights, as in TRL).
-fp8rl runs on its fastest CPU backend by default (`--backend`: "amx", native
-BF16 GEMMs, where the CPU has them; "cpu" elsewhere).
+fp8rl runs on its fastest CPU backend for each model by default (`--backend fast`:
+fp8rl.fp8.backends.fast_backend, the rule of `auto`: "amx", native BF16 GEMMs,
+where the CPU has AMX tiles, or AVX512-BF16 and a model at least 192 wide; "cpu"
+elsewhere).
 
 Completions stop at EOS on both sides, so the sampled lengths differ and so
 does the work: the report gives the mean completion length on each side, the
@@ -59,7 +61,7 @@ for _k, _v in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("HF_DATA
 
 import torch
 
-from fp8rl.fp8.backends import BACKENDS, choose_backend, resolve_backend
+from fp8rl.fp8.backends import BACKENDS, fast_backend, resolve_backend
 
 TARGET_SPEEDUP = 3.0
 
@@ -353,7 +355,7 @@ def bench_model(model_src: str, backend_choice: str, P: int, G: int, L: int, flo
     n_problems = (1 + steps) * P
     problems = problems_for(n_problems)
     model, tok = load(model_src)
-    backend = resolve_backend(backend_choice, model).name
+    backend = (fast_backend(model) if backend_choice == "fast" else resolve_backend(backend_choice, model)).name
     prompt_texts = [format_prompt(tok, p.question) for p in problems]
     prompt_ids = encode_prompts(tok, [p.question for p in problems])
     res: dict[str, Any] = {"model": model_src, "prompts_per_step": P, "group_size": G, "max_new_tokens": L,
@@ -450,9 +452,9 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, help="completion budget (default: tiny 48, SmolLM2 64)")
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--backend", choices=("fast", "auto", *BACKENDS), default="fast",
-                    help="fp8rl GEMM backend; fast (default): choose_backend's pick for this CPU (amx with "
-                         "AMX tiles, else cpu); auto: what `fp8rl train` picks (the same, after its "
-                         "batch-invariance check on the model)")
+                    help="fp8rl GEMM backend; fast (default): fast_backend's pick for each model on this CPU; "
+                         "auto: what `fp8rl train` picks (the same, after its batch-invariance check on the "
+                         "model)")
     ap.add_argument("--steps", type=int, default=1, help="timed steps per side, after one warm-up step")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's default, all cores)")
     ap.add_argument("--no-rollout", action="store_true", help="skip the fixed-length rollout comparison")
@@ -465,7 +467,6 @@ def main() -> int:
     if args.steps < 1:
         ap.error("--steps must be >= 1")
     models = ["tiny-arith"] if args.quick else [m for m in args.models.split(",") if m]
-    backend = choose_backend(torch.device("cpu")).name if args.backend == "fast" else args.backend
     flows = [f for f in args.flows.split(",") if f]
 
     import datasets
@@ -489,7 +490,7 @@ def main() -> int:
         for src in models:
             dP, dG, dL = QUICK_SHAPE if args.quick else DEFAULT_SHAPES.get(src, DEFAULT_SHAPES["tiny-arith"])
             P, G, L = args.prompts or dP, args.group_size or dG, args.max_new_tokens or dL
-            results.append(bench_model(src, backend, P, G, L, flows, args.lr, args.steps, not args.no_rollout, log))
+            results.append(bench_model(src, args.backend, P, G, L, flows, args.lr, args.steps, not args.no_rollout, log))
 
     from importlib.metadata import PackageNotFoundError, version
 

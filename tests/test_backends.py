@@ -6,6 +6,8 @@ one backend promises beyond that (exactness, accuracy, chunking)."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -255,8 +257,10 @@ def test_every_backend_attention_products_are_batch_invariant(backend):
 
 def test_choose_backend_policy(monkeypatch: pytest.MonkeyPatch):
     """The one policy for backend = "auto": the exact reference off the CPU;
-    on the CPU amx where the CPU has AMX tiles, else cpu, for every model size,
-    unless the measured batch-invariance check fails on the model's shapes."""
+    on the CPU amx where the CPU has AMX tiles (every model size); with
+    AVX512-BF16 but no AMX, amx from AVX512_BF16_MIN_WIDTH on and cpu below
+    (measured, benchmarks/README.md); else cpu; unless the measured
+    batch-invariance check fails on the model's shapes."""
     small = nn.Linear(64, 64)
     big = nn.Linear(4096, 2048)
     # The probe itself is tested below; here it only records what it was asked
@@ -266,15 +270,28 @@ def test_choose_backend_policy(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(fb, "batch_invariance_failures", lambda backend, model: probed.append((backend.name, model)) or [])
     assert choose_backend(torch.device("meta"), big) is BACKENDS["reference"]
     assert probed == []
+    monkeypatch.setattr(fb, "avx512_bf16_available", lambda: True)  # every AMX CPU has it too
     monkeypatch.setattr(fb, "amx_available", lambda: True)
     assert choose_backend(torch.device("cpu"), big) is BACKENDS["amx"]
     assert fb.resolve_backend("auto", small) is BACKENDS["amx"]
     assert probed == [("amx", big), ("amx", small)]
-    monkeypatch.setattr(fb, "amx_available", lambda: False)
+    monkeypatch.setattr(fb, "amx_available", lambda: False)  # AVX512-BF16 alone: the width decides
+    edge = nn.Sequential(nn.Linear(fb.AVX512_BF16_MIN_WIDTH, 64), nn.Linear(64, 5000))  # its narrowest decides
+    assert fb.model_width(edge) == 64 and fb.model_width(big) == 4096 and fb.model_width(nn.ReLU()) == 0
+    wide = nn.Sequential(nn.Linear(fb.AVX512_BF16_MIN_WIDTH, 64), nn.Linear(fb.AVX512_BF16_MIN_WIDTH * 3, 8))
+    narrow = nn.Linear(fb.AVX512_BF16_MIN_WIDTH - 64, 4096)
+    assert [choose_backend(torch.device("cpu"), m).name for m in (big, wide, narrow, edge)] == ["amx", "amx", "cpu", "cpu"]
+    assert choose_backend(torch.device("cpu")) is BACKENDS["amx"]  # no model: the pick for a wide one
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # native BF16 GEMMs here: naming amx warns of nothing
+        assert fb.resolve_backend("amx", small) is BACKENDS["amx"]
+    monkeypatch.setattr(fb, "avx512_bf16_available", lambda: False)  # AVX2 only
+    del probed[:]
     assert choose_backend(torch.device("cpu"), small) is BACKENDS["cpu"]
-    with pytest.warns(UserWarning, match="'amx' on a CPU without AMX tiles"):
+    assert choose_backend(torch.device("cpu"), big) is BACKENDS["cpu"]
+    with pytest.warns(UserWarning, match="'amx' on a CPU without AMX tiles or AVX512-BF16"):
         assert fb.resolve_backend("amx", small) is BACKENDS["amx"]  # a name is taken as given, unprobed
-    assert probed[2:] == [("cpu", small)]
+    assert probed == [("cpu", small), ("cpu", big)]
     monkeypatch.setattr(fb, "batch_invariance_failures", lambda backend, model: ["fp8 GEMM 64x64: rows 0..0 differ"])
     with pytest.warns(UserWarning, match="not batch-invariant on this CPU .*fp8 GEMM 64x64.*reference"):
         assert choose_backend(torch.device("cpu"), small) is BACKENDS["reference"]

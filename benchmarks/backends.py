@@ -120,18 +120,17 @@ def main() -> int:
     from fp8rl.model import load
 
     rows, picks = [], {}
-    models = tempfile.TemporaryDirectory()
-    for name in args.models.split(","):
-        model = width_model(name, Path(models.name))
-        names = args.backends.split(",") if args.backends else [
-            b for b in BACKENDS if not (b == "reference" and name != "tiny-arith")]
-        picks[name] = resolve_backend("auto", load(model)[0]).name
-        for flow in args.flows.split(","):
-            for backend in names:
-                t0 = time.perf_counter()
-                rows.append({**time_steps(model, flow, backend, args.steps), "model": name})
-                print(f"{name} {flow} {backend}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-    models.cleanup()
+    with tempfile.TemporaryDirectory() as models:  # the width-N models' folders
+        for name in args.models.split(","):
+            model = width_model(name, Path(models))
+            names = args.backends.split(",") if args.backends else [
+                b for b in BACKENDS if not (b == "reference" and name != "tiny-arith")]
+            picks[name] = resolve_backend("auto", load(model)[0]).name
+            for flow in args.flows.split(","):
+                for backend in names:
+                    t0 = time.perf_counter()
+                    rows.append({**time_steps(model, flow, backend, args.steps), "model": name})
+                    print(f"{name} {flow} {backend}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     env = {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
            if k in os.environ}
     report = {"torch": torch.__version__, "threads": torch.get_num_threads(), "amx_tiles": amx_available(),

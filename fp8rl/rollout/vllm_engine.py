@@ -95,7 +95,7 @@ def _keep_live_cpu_weights() -> None:
     import vllm.model_executor.layers.utils as layer_utils
 
     def plain_linear(layer: torch.nn.Module, remove_weight: bool) -> None:
-        layer.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias)
+        layer.cpu_linear = torch.nn.functional.linear  # called as (x, weight, bias)
 
     layer_utils.dispatch_cpu_unquantized_gemm = plain_linear
 

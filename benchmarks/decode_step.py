@@ -12,6 +12,10 @@ the default run's half batch of ~68-token sequences).
     python benchmarks/decode_step.py --modes inference,no_grad         # what inference mode saves
     python benchmarks/decode_step.py --model smollm2-135m-instruct --flow bf16 --rows 16,4 --forward 16x80
     python benchmarks/decode_step.py --model tiny-chain --rows 64 --cache-len 400 --forward 64x400   # long answers
+    python benchmarks/decode_step.py --model smollm2-135m-instruct --rows 16 --ops 20   # where a step's time goes
+
+`--ops N` also prints, per row count, the N ops of the profiled step with the most self
+time, per input shapes (profile_step.py's table).
 
 Prints one JSON object on stdout and a table on stderr.
 """
@@ -31,11 +35,15 @@ from fp8rl.model.transformer import make_context
 from fp8rl.precision import apply_flow, refresh_weights
 from fp8rl.rollout.engine import phase
 from fp8rl.rollout.kv_cache import KVCache
+from profile_step import op_table
 
 
-def time_decode(model, rows: int, prompt_len: int, cache_len: int, repeats: int, mode: str = "inference") -> dict:
+def time_decode(
+    model, rows: int, prompt_len: int, cache_len: int, repeats: int, mode: str = "inference", ops: int = 0
+) -> dict:
     """Mean seconds of one decode forward over ``rows`` rows, and its torch call count;
-    ``mode``: "inference" (``torch.inference_mode``, what the engine runs) or "no_grad"."""
+    ``mode``: "inference" (``torch.inference_mode``, what the engine runs) or "no_grad";
+    ``ops`` > 0: also the op table (``op_table``, per input shapes) of the profiled step."""
     grad_off = torch.inference_mode if mode == "inference" else torch.no_grad
     cache = KVCache.for_model(model, rows, cache_len)
     pad_left = torch.zeros(rows, dtype=torch.long)
@@ -50,10 +58,11 @@ def time_decode(model, rows: int, prompt_len: int, cache_len: int, repeats: int,
         for i in range(repeats):
             model(token, make_context(pad_left, prompt_len + 3 + i, 1, cache_len, cache))
         seconds = (time.perf_counter() - start) / repeats
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=ops > 0) as prof:
             model(token, make_context(pad_left, prompt_len + 3 + repeats, 1, cache_len, cache))
     calls = sum(e.count for e in prof.key_averages())
-    return {"rows": rows, "mode": mode, "ms_per_step": seconds * 1e3, "torch_calls": calls}
+    out = {"rows": rows, "mode": mode, "ms_per_step": seconds * 1e3, "torch_calls": calls}
+    return out | ({"op_table": op_table([prof], ops, shapes=True)} if ops > 0 else {})
 
 
 def time_forward(model, rows: int, tokens: int, repeats: int) -> dict:
@@ -84,13 +93,15 @@ def main() -> int:
     ap.add_argument("--cache-len", type=int, default=0,
                     help="key slots of the KV cache (0: just enough for the timed steps); a decode step attends "
                          "to all of them, as the engine's static cache does (the `chain` study: ~400)")
+    ap.add_argument("--ops", type=int, default=0, metavar="N",
+                    help="print the N ops of each profiled step with the most self time, per input shapes")
     ap.add_argument("--forward", default="64x68", metavar="ROWSxTOKENS", help="the training-phase forward timed too")
     args = ap.parse_args()
     model, _ = load(args.model)
     backend = apply_flow(model, args.flow, args.backend).backend
     refresh_weights(model)
     cache_len = max(args.cache_len, (args.prompt_len + 3 + args.repeats + 1 + 15) // 16 * 16)
-    results = [time_decode(model, int(r), args.prompt_len, cache_len, args.repeats, mode)
+    results = [time_decode(model, int(r), args.prompt_len, cache_len, args.repeats, mode, args.ops)
                for r in args.rows.split(",") for mode in args.modes.split(",")]
     f_rows, f_tokens = (int(n) for n in args.forward.lower().split("x"))
     forward = time_forward(model, f_rows, f_tokens, 5)
@@ -101,6 +112,8 @@ def main() -> int:
     print(f"{'rows':>6}{'mode':>11}{'ms/step':>10}{'torch calls':>13}", file=sys.stderr)
     for r in results:
         print(f"{r['rows']:>6}{r['mode']:>11}{r['ms_per_step']:>10.2f}{r['torch_calls']:>13}", file=sys.stderr)
+    for r in (r for r in results if "op_table" in r):
+        print(f"\none decode step over {r['rows']} rows ({r['mode']}):\n{r['op_table']}", file=sys.stderr)
     print(f"training-phase forward, {f_rows} x {f_tokens} tokens, no graph: {forward['ms']:.1f} ms", file=sys.stderr)
     return 0
 

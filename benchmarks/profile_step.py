@@ -19,7 +19,9 @@ warm-up step, then profiles the next one and prints
         --set rollout.group_size=4 --set rollout.max_new_tokens=64 --set train.micro_batches=1
     python benchmarks/profile_step.py --set flow=bf16 --set backend=cpu --rows 30
 
-Add `--trace trace.json` to write a Chrome trace (chrome://tracing, Perfetto).
+Add `--trace trace.json` to write a Chrome trace (chrome://tracing, Perfetto), and
+`--shapes` to list each op per input shapes (which rows a GEMM runs on, how big the
+tensors of the elementwise passes are).
 """
 
 from __future__ import annotations
@@ -39,12 +41,13 @@ from fp8rl.config import load_config, parse_override
 from fp8rl.train import Trainer
 
 
-def _profiled(trainer: Trainer, method: str, sink: list) -> None:
-    """Make ``trainer.<method>`` run under its own profiler, appended to ``sink``."""
+def _profiled(trainer: Trainer, method: str, sink: list, shapes: bool = False) -> None:
+    """Make ``trainer.<method>`` run under its own profiler (recording input shapes if
+    ``shapes``), appended to ``sink``."""
     fn = getattr(trainer, method)
 
     def wrapped(*args, **kwargs):
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=shapes) as prof:
             out = fn(*args, **kwargs)
         sink.append(prof)
         return out
@@ -88,18 +91,22 @@ def _seconds(fn) -> float:
     return time.perf_counter() - t0
 
 
-def _op_table(profs: list, rows: int) -> str:
-    """The ops of ``profs`` by self time, summed over the profiles."""
+def op_table(profs: list, rows: int, shapes: bool = False) -> str:
+    """The ops of ``profs`` by self time, summed over the profiles; with ``shapes``
+    (profiles recorded with ``record_shapes``) one line per op and input shapes."""
     ops: dict[str, list[float]] = {}
     for prof in profs:
-        for e in prof.key_averages():
-            ops.setdefault(e.key, [0.0, 0])
-            ops[e.key][0] += e.self_cpu_time_total
-            ops[e.key][1] += e.count
+        for e in prof.key_averages(group_by_input_shape=shapes):
+            key = f"{e.key} {e.input_shapes}" if shapes else e.key
+            ops.setdefault(key, [0.0, 0])
+            ops[key][0] += e.self_cpu_time_total
+            ops[key][1] += e.count
     total, calls = sum(v[0] for v in ops.values()) / 1e3, sum(v[1] for v in ops.values())
-    lines = [f"  {total:.0f} ms of op time in {calls} op calls", f"    {'op':<40}{'self ms':>10}{'calls':>9}{'us/call':>10}"]
+    width = 72 if shapes else 40
+    lines = [f"  {total:.0f} ms of op time in {calls} op calls",
+             f"    {'op (input shapes)' if shapes else 'op':<{width}}{'self ms':>10}{'calls':>9}{'us/call':>10}"]
     for key, (us, n) in sorted(ops.items(), key=lambda kv: -kv[1][0])[:rows]:
-        lines.append(f"    {key[:39]:<40}{us / 1e3:>10.1f}{n:>9}{us / max(1, n):>10.1f}")
+        lines.append(f"    {key[: width - 1]:<{width}}{us / 1e3:>10.1f}{n:>9}{us / max(1, n):>10.1f}")
     return "\n".join(lines)
 
 
@@ -109,6 +116,7 @@ def main() -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     ap.add_argument("--rows", type=int, default=20, help="ops listed per phase")
     ap.add_argument("--trace", help="also write a Chrome trace of the profiled rollout here")
+    ap.add_argument("--shapes", action="store_true", help="list the ops per input shapes")
     args = ap.parse_args()
     overrides = dict(parse_override(s) for s in args.set)
     with tempfile.TemporaryDirectory() as tmp:
@@ -125,7 +133,7 @@ def main() -> int:
               f"token_mult_prob_error {m['token_mult_prob_error']:.6f}")
         rollout, training = [], []
         for method, sink in (("_rollout", rollout), ("_score", training), ("_optimize", training)):
-            _profiled(trainer, method, sink)
+            _profiled(trainer, method, sink, args.shapes)
         trainer.train_step()
         for method in ("_rollout", "_score", "_optimize"):
             del trainer.__dict__[method]  # back to the class's methods
@@ -141,9 +149,9 @@ def main() -> int:
               f"alone takes rollout {roll_f / rate * 1e3:.0f} ms, training {train_f / rate * 1e3:.0f} ms "
               f"(timed step above: {m['time_rollout_s'] * 1e3:.0f} and {m['time_train_s'] * 1e3:.0f} ms)")
         print("\nrollout (prefill + decode steps), profiled:")
-        print(_op_table(rollout, args.rows))
+        print(op_table(rollout, args.rows, args.shapes))
         print("\ntraining (scoring + optimizer micro-steps with their backward), profiled:")
-        print(_op_table(training, args.rows))
+        print(op_table(training, args.rows, args.shapes))
         if args.trace:
             rollout[0].export_chrome_trace(args.trace)
             print(f"\nChrome trace of the rollout: {args.trace}")

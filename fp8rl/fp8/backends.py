@@ -438,7 +438,10 @@ def _native_rows(a: torch.Tensor, w: torch.Tensor, invariant: bool, cache: dict)
     if m > tiles.small:
         return _tiled_rows(a.to(w.dtype), tiles, gemm, torch.float32)
     if ("rows_in", tiles.small) not in cache:
-        cache[("rows_in", tiles.small)] = w.new_zeros(tiles.small, k)
+        # A normal tensor even when made in the rollout's inference mode: the training
+        # forward (with a graph, outside it) writes into it too.
+        with torch.inference_mode(False):
+            cache[("rows_in", tiles.small)] = w.new_zeros(tiles.small, k)
     buf = cache[("rows_in", tiles.small)]
     buf[:m].copy_(a)
     buf[m:].zero_()

@@ -276,8 +276,12 @@ def test_nbytes_counts_data_and_scales():
     assert q.nbytes / (1536 * 576 * 2) <= 0.52
 
 
+COMPILED = [pytest.param(True, id="compiled"), pytest.param(False, id="torch")]  # quantize_dequantize's two paths
+
+
+@pytest.mark.parametrize("compiled", COMPILED)
 @pytest.mark.parametrize("scale_fmt", ["fp32", "ue8m0"])
-def test_quantize_dequantize_equals_quantize_then_dequantize(scale_fmt: str):
+def test_quantize_dequantize_equals_quantize_then_dequantize(scale_fmt: str, compiled: bool):
     """The fused pass the amx backend uses gives dequantize(quantize(x)) bit for
     bit: values over 60 binades, zeros, all-zero blocks, ragged K, 3-D input."""
     from fp8rl.fp8.quant import quantize_dequantize
@@ -288,12 +292,13 @@ def test_quantize_dequantize_equals_quantize_then_dequantize(scale_fmt: str):
         x[..., 0, :128] = 0.0
         x[..., -1, 3] = 1e-30
         want = dequantize(quantize(x, (1, 128), scale_fmt=scale_fmt))
-        got = quantize_dequantize(x, 128, scale_fmt)
+        got = quantize_dequantize(x, 128, scale_fmt, compiled=compiled)
         assert got.shape == want.shape
         assert torch.equal(got.abs().view(torch.int32), want.abs().view(torch.int32)), (shape, scale_fmt)
 
 
-def test_quantize_dequantize_rounds_like_the_e4m3_cast_everywhere():
+@pytest.mark.parametrize("compiled", COMPILED)
+def test_quantize_dequantize_rounds_like_the_e4m3_cast_everywhere(compiled: bool):
     """The magic-number rounding equals torch's E4M3 cast (round to nearest even,
     subnormals, the top of the range) on a dense sweep of FP32 values: each row
     starts with 448, so its scale is exactly 1 and the values are cast as they are."""
@@ -304,17 +309,18 @@ def test_quantize_dequantize_rounds_like_the_e4m3_cast_everywhere():
     sweep = torch.cat([sweep, sweep.new_zeros(-sweep.numel() % 127)]).view(-1, 127).clamp(-448, 448)
     x = torch.cat([torch.full((sweep.shape[0], 1), 448.0), sweep], dim=1)  # [rows, 128], amax 448
     want = x.to(torch.float8_e4m3fn).float()
-    assert torch.equal(quantize_dequantize(x, 128).abs(), want.abs())
+    assert torch.equal(quantize_dequantize(x, 128, compiled=compiled).abs(), want.abs())
 
 
-def test_quantize_dequantize_refuses_nan_and_inf():
+@pytest.mark.parametrize("compiled", COMPILED)
+def test_quantize_dequantize_refuses_nan_and_inf(compiled: bool):
     from fp8rl.fp8.quant import quantize_dequantize
 
     for bad in (float("nan"), float("inf")):
         x = torch.ones(4, 256)
         x[2, 7] = bad
         with pytest.raises(NonFiniteError, match="act"):
-            quantize_dequantize(x, 128, name="act")
+            quantize_dequantize(x, 128, name="act", compiled=compiled)
 
 
 def test_row_block_fast_path_equals_the_general_path():

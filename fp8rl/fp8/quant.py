@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fp8rl.fp8 import kernels
 from fp8rl.fp8.formats import AMAX_FLOOR, E4M3, SCALE_FORMATS, get_format
 
 
@@ -201,7 +202,8 @@ _E4M3_MIN_NORMAL_EXP = (127 - 6) << 23  # exponent field of 2**-6, E4M3's smalle
 
 
 def quantize_dequantize(
-    x: torch.Tensor, bk: int = 128, scale_fmt: str = "fp32", name: str = "tensor", amax_floor: float = AMAX_FLOOR
+    x: torch.Tensor, bk: int = 128, scale_fmt: str = "fp32", name: str = "tensor", amax_floor: float = AMAX_FLOOR,
+    compiled: bool = True,
 ) -> torch.Tensor:
     """``dequantize(quantize(x, (1, bk), "e4m3", scale_fmt, amax_floor=amax_floor))`` as FP32 ``[..., M, K]``,
     bit for bit (up to the sign of zero), without storing FP8.
@@ -216,11 +218,22 @@ def quantize_dequantize(
     is ``y`` rounded to nearest even on the E4M3 grid, exactly as the cast
     rounds. Below ``2**-6`` (E4M3 subnormals, spacing ``2**-9``) ``e`` is held at
     -6. ``y`` is clamped to +-448 first, which the grid then keeps.
+
+    On the CPU with ``compiled`` (the default) the compiled kernel does it in one
+    pass where it is available (``kernels.qdq_rows``: the same operations, the same
+    bits); below is the torch code, what runs elsewhere and what it is tested against.
     """
     if bk < 1:
         raise ValueError(f"block width must be >= 1, got {bk}")
     if scale_fmt not in SCALE_FORMATS:
         raise ValueError(f"unknown scale_fmt {scale_fmt!r}; valid: {', '.join(SCALE_FORMATS)}")
+    if compiled:
+        try:
+            out = kernels.qdq_rows(x, bk, scale_fmt == "ue8m0", amax_floor)
+        except ValueError:
+            raise NonFiniteError(f"quantize: tensor {name!r} contains NaN or Inf") from None
+        if out is not None:
+            return out
     k = x.shape[-1]
     x32 = x.float()
     if k % bk:

@@ -1,0 +1,131 @@
+"""Compiled CPU kernels: the FP8 activation quantization of a linear in one pass.
+
+A decode step of a small batch is per-call overhead: each FP8 linear's input
+quantization (``quant.quantize_dequantize``) is about 15 torch calls of a few
+microseconds each on tensors of a few thousand elements. ``kernels.c`` does the
+same arithmetic in one C loop per block, the same FP32 operations in the same
+order, hence the same bits (tests/test_fp8_quant.py compares the two paths on
+every kind of block, scale format and floor).
+
+The kernels are optional. ``library()`` builds ``kernels.c`` once per machine
+with the system C compiler (``$CC``, else ``cc``, ``gcc`` or ``clang``) into a cache
+folder (``$FP8RL_CACHE_DIR``, else ``$XDG_CACHE_HOME/fp8rl`` or ``~/.cache/fp8rl``),
+keyed by the source, the compiler and the CPU, and loads it with ctypes: about
+0.2 s the first time, nothing after. Where there is no compiler or the build
+fails, it warns once and returns None, and the callers run their torch code, the
+same results more slowly. ``FP8RL_KERNELS=0`` in the environment does the same
+without the warning. Not ``torch.utils.cpp_extension``: anything that includes
+torch's headers took 51 s to build on these 2 cores (benchmarks/README.md);
+plain C with no headers but the C library builds in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("kernels.c")
+# IEEE semantics kept: no -ffast-math (reciprocals, reassociation), no FMA contraction.
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC")
+ENV_SWITCH = "FP8RL_KERNELS"
+CPU = torch.device("cpu")
+
+
+def cache_dir() -> Path:
+    if os.environ.get("FP8RL_CACHE_DIR"):
+        return Path(os.environ["FP8RL_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "fp8rl"
+
+
+def _cpu_id() -> str:
+    """What ``-march=native`` compiles for: the CPU's model and feature flags (a home
+    folder shared by machines with different CPUs gets one library per CPU)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+    lines = [line for line in info.splitlines() if line.startswith(("model name", "flags", "Features"))]
+    return "\n".join(dict.fromkeys(lines))  # the first CPU's lines (all CPUs alike)
+
+
+def _compiler() -> str | None:
+    names = [os.environ["CC"]] if os.environ.get("CC") else ["cc", "gcc", "clang"]
+    return next((path for path in map(shutil.which, names) if path), None)
+
+
+def _build(cc: str) -> Path:
+    """The library for this source, compiler and CPU, built if not cached. Written to
+    a temporary name and renamed, so processes building at once (ranks) never load a
+    half-written file."""
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(CFLAGS).encode(), _cpu_id().encode()]))
+    folder = cache_dir() / "kernels"
+    lib = folder / f"fp8rl-kernels-{key.hexdigest()[:16]}.so"
+    if lib.is_file():
+        return lib
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=lib.name + ".tmp-")
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            first = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[0]
+            raise RuntimeError(f"{Path(cc).name} failed: {first[:200]}")
+        os.replace(tmp, lib)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+@functools.lru_cache(maxsize=None)
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, built on first use; None where they cannot be had (see the
+    module docstring), with one warning saying why unless ``FP8RL_KERNELS=0``."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None
+    cc = _compiler()
+    try:
+        if cc is None:
+            raise RuntimeError("no C compiler found (cc, gcc, clang; or set CC)")
+        lib = ctypes.CDLL(str(_build(cc)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        warnings.warn(f"fp8rl: compiled CPU kernels unavailable ({e}); the FP8 activation quantization runs "
+                      f"as torch ops instead (the same results, slower). {ENV_SWITCH}=0 silences this.",
+                      RuntimeWarning, stacklevel=2)
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.fp8rl_qdq_rows.restype = ctypes.c_int
+    lib.fp8rl_qdq_rows.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+    return lib
+
+
+def qdq_rows(x: torch.Tensor, bk: int, ue8m0: bool, amax_floor: float) -> torch.Tensor | None:
+    """``quant.quantize_dequantize`` of a CPU tensor ``x [..., K]`` (1 x ``bk`` E4M3 blocks)
+    as FP32 ``[..., K]`` by ``fp8rl_qdq_rows``; None (the caller runs its torch code) for a
+    tensor off the CPU, an empty one, or where the kernels are unavailable.
+    Raises ValueError if ``x`` holds NaN or Inf (the caller names the tensor)."""
+    if x.device != CPU or x.numel() == 0:
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)  # [T, K]
+    if x2.dtype != torch.float32 or (x2.stride(-1) != 1 and k > 1) or x2.stride(0) < k:
+        x2 = x2.float().contiguous()
+    out = torch.empty(x2.shape, dtype=torch.float32)
+    if lib.fp8rl_qdq_rows(x2.data_ptr(), x2.stride(0), out.data_ptr(), k, x2.shape[0], k, bk, amax_floor, ue8m0):
+        raise ValueError("NaN or Inf")
+    return out.view(x.shape)

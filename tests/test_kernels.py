@@ -1,0 +1,110 @@
+"""The compiled CPU kernels (fp8rl/fp8/kernels.py): built where a C compiler is,
+the same bits as the torch code they replace, and optional (without them the torch
+code runs, with one warning saying why)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp8rl.fp8 import kernels
+from fp8rl.fp8.formats import AMAX_FLOORS
+from fp8rl.fp8.quant import NonFiniteError, quantize_dequantize
+
+
+@pytest.fixture
+def fresh_library(monkeypatch: pytest.MonkeyPatch):
+    """``kernels.library()`` rebuilt under this test's environment, and again after it."""
+    kernels.library.cache_clear()
+    yield monkeypatch
+    monkeypatch.undo()
+    kernels.library.cache_clear()
+
+
+def test_kernels_are_built_where_a_compiler_is():
+    if kernels._compiler() is None:
+        pytest.skip("no C compiler on this machine: the torch path runs (test_without_kernels_*)")
+    if kernels.ENV_SWITCH in os.environ:
+        pytest.skip(f"{kernels.ENV_SWITCH} is set")
+    assert kernels.library() is not None
+
+
+def _inputs(g: torch.Generator) -> list[torch.Tensor]:
+    """Activations as the linears see them and the awkward cases: values over 80 binades
+    (E4M3 subnormals inside a block next to its amax), zero blocks and rows, ragged K,
+    3-D, BF16, and views whose rows are not contiguous in memory."""
+    out = []
+    for shape in [(1, 128), (16, 576), (16, 1536), (128, 128), (7, 130), (3, 5, 256), (300, 384), (2, 1)]:
+        x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-40, 40, shape, generator=g).float())
+        x.view(-1, shape[-1])[0, : min(128, shape[-1])] = 0.0
+        out.append(x)
+    wide = torch.randn(64, 700, generator=g)
+    out += [wide[:, 50:626], wide.T[:300], torch.randn(33, 576, generator=g).bfloat16()]
+    return out
+
+
+@pytest.mark.parametrize("scale_fmt", ["fp32", "ue8m0"])
+@pytest.mark.parametrize("floor", sorted(set(AMAX_FLOORS.values())))
+def test_compiled_quantize_dequantize_is_the_torch_path_bit_for_bit(scale_fmt: str, floor: float):
+    if kernels.library() is None:
+        pytest.skip("no compiled kernels here")
+    g = torch.Generator().manual_seed(31)
+    for x in _inputs(g):
+        for scale in (1e-12, 1e-3, 1.0, 1e20):
+            xs = x * scale
+            want = quantize_dequantize(xs, 128, scale_fmt, amax_floor=floor, compiled=False)
+            got = quantize_dequantize(xs, 128, scale_fmt, amax_floor=floor)
+            assert got.shape == want.shape and got.dtype == want.dtype == torch.float32
+            # signs of zero included: both paths give +0 where a negative value rounds to 0
+            assert torch.equal(got.view(torch.int32), want.contiguous().view(torch.int32)), (tuple(x.shape), scale)
+
+
+def test_compiled_path_names_a_non_finite_tensor():
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        x = torch.ones(3, 200)
+        x[1, 150] = bad
+        with pytest.raises(NonFiniteError, match="'layer3 input'"):
+            quantize_dequantize(x, 128, name="layer3 input")
+
+
+def test_without_kernels_the_torch_path_runs(fresh_library: pytest.MonkeyPatch):
+    x = torch.randn(4, 256)
+    want = quantize_dequantize(x, 128, compiled=False)
+    fresh_library.setenv(kernels.ENV_SWITCH, "0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # switched off on purpose: no warning
+        assert kernels.library() is None
+        assert torch.equal(quantize_dequantize(x, 128), want)
+    kernels.library.cache_clear()
+    fresh_library.delenv(kernels.ENV_SWITCH)
+    fresh_library.setenv("CC", "/nonexistent/cc")
+    with pytest.warns(RuntimeWarning, match="no C compiler found"):
+        assert kernels.library() is None
+    assert torch.equal(quantize_dequantize(x, 128), want)
+
+
+def test_a_failed_build_warns_and_leaves_nothing(fresh_library: pytest.MonkeyPatch, tmp_path: Path):
+    fresh_library.setenv("FP8RL_CACHE_DIR", str(tmp_path))
+    fresh_library.setenv("CC", "false")  # a "compiler" that fails
+    if kernels._compiler() is None:
+        pytest.skip("no `false` command")
+    with pytest.warns(RuntimeWarning, match="false failed"):
+        assert kernels.library() is None
+    assert list((tmp_path / "kernels").iterdir()) == []  # no half-written library left
+
+
+def test_the_library_is_built_once_into_the_cache(fresh_library: pytest.MonkeyPatch, tmp_path: Path):
+    cc = kernels._compiler()
+    if cc is None:
+        pytest.skip("no C compiler on this machine")
+    fresh_library.setenv("FP8RL_CACHE_DIR", str(tmp_path))
+    first = kernels._build(cc)
+    assert first.parent == tmp_path / "kernels" and first.is_file()
+    stamp = first.stat().st_mtime_ns
+    assert kernels._build(cc) == first and first.stat().st_mtime_ns == stamp  # cached, not rebuilt
+    assert kernels.library() is not None
+    assert [p.name for p in first.parent.iterdir()] == [first.name]

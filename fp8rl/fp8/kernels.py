@@ -4,8 +4,9 @@ A decode step of a small batch is per-call overhead: each FP8 linear's input
 quantization (``quant.quantize_dequantize``) is about 15 torch calls of a few
 microseconds each on tensors of a few thousand elements. ``kernels.c`` does the
 same arithmetic in one C loop per block, the same FP32 operations in the same
-order, hence the same bits (tests/test_fp8_quant.py compares the two paths on
-every kind of block, scale format and floor).
+order, hence the same bits, in the same layout (tests/test_kernels.py and
+tests/test_fp8_quant.py compare the two paths on every kind of block, scale
+format and floor).
 
 The kernels are optional. ``library()`` builds ``kernels.c`` once per machine
 with the system C compiler (``$CC``, else ``cc``, ``gcc`` or ``clang``) into a cache
@@ -56,7 +57,7 @@ def _cpu_id() -> str:
     except OSError:
         return f"{platform.machine()} {platform.processor()}"
     lines = [line for line in info.splitlines() if line.startswith(("model name", "flags", "Features"))]
-    return "\n".join(dict.fromkeys(lines))  # the first CPU's lines (all CPUs alike)
+    return "\n".join(dict.fromkeys(lines))  # each distinct line once (CPUs alike: one of each)
 
 
 def _compiler() -> str | None:
@@ -125,7 +126,10 @@ def qdq_rows(x: torch.Tensor, bk: int, ue8m0: bool, amax_floor: float) -> torch.
     x2 = x.reshape(-1, k)  # [T, K]
     if x2.dtype != torch.float32 or (x2.stride(-1) != 1 and k > 1) or x2.stride(0) < k:
         x2 = x2.float().contiguous()
-    out = torch.empty(x2.shape, dtype=torch.float32)
-    if lib.fp8rl_qdq_rows(x2.data_ptr(), x2.stride(0), out.data_ptr(), k, x2.shape[0], k, bk, amax_floor, ue8m0):
+    # The torch code's layout too: a ragged K is the first K columns of whole blocks, so that
+    # whatever reads the result (a BLAS call choosing its kernel from the strides) sees the same.
+    padded = -(-k // bk) * bk
+    out = torch.empty(x2.shape[0], padded, dtype=torch.float32)[:, :k]
+    if lib.fp8rl_qdq_rows(x2.data_ptr(), x2.stride(0), out.data_ptr(), padded, x2.shape[0], k, bk, amax_floor, ue8m0):
         raise ValueError("NaN or Inf")
-    return out.view(x.shape)
+    return out.reshape(x.shape)  # a view: only the leading dims are split

@@ -19,7 +19,9 @@ warm-up step, then profiles the next one and prints
         --set rollout.group_size=4 --set rollout.max_new_tokens=64 --set train.micro_batches=1
     python benchmarks/profile_step.py --set flow=bf16 --set backend=cpu --rows 30
 
-Add `--trace trace.json` to write a Chrome trace (chrome://tracing, Perfetto), and
+Add `--steps N` to time N steps without the profiler first (each step's rollout,
+training and width, then min / median / max: how much of a difference between two runs
+is the machine's noise), `--trace trace.json` to write a Chrome trace (chrome://tracing, Perfetto), and
 `--shapes` to list each op per input shapes (which rows a GEMM runs on, how big the
 tensors of the elementwise passes are).
 """
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 import tempfile
 import time
@@ -117,6 +120,7 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=20, help="ops listed per phase")
     ap.add_argument("--trace", help="also write a Chrome trace of the profiled rollout here")
     ap.add_argument("--shapes", action="store_true", help="list the ops per input shapes")
+    ap.add_argument("--steps", type=int, default=1, help="steps timed without the profiler")
     args = ap.parse_args()
     overrides = dict(parse_override(s) for s in args.set)
     with tempfile.TemporaryDirectory() as tmp:
@@ -127,10 +131,18 @@ def main() -> int:
               f"{cfg.rollout.prompts_per_step} x {cfg.rollout.group_size} rollouts of <= "
               f"{cfg.rollout.max_new_tokens} tokens, {cfg.train.micro_batches} micro-batch(es)")
         trainer.train_step()  # warm-up: weight conversions, tile measurements, allocator
-        m = trainer.train_step().metrics  # timed without the profiler
-        print(f"step {m['time_step_s'] * 1e3:.0f} ms: rollout {m['time_rollout_s'] * 1e3:.0f} ms "
-              f"({m['rollout_tokens_per_s']:.0f} tokens/s), training {m['time_train_s'] * 1e3:.0f} ms; "
-              f"token_mult_prob_error {m['token_mult_prob_error']:.6f}")
+        timed = []
+        for _ in range(max(args.steps, 1)):  # timed without the profiler
+            step = trainer.train_step()
+            m = step.metrics
+            timed.append(m["time_step_s"])
+            print(f"step {m['time_step_s'] * 1e3:.0f} ms: rollout {m['time_rollout_s'] * 1e3:.0f} ms "
+                  f"({m['rollout_tokens_per_s']:.0f} tokens/s), training {m['time_train_s'] * 1e3:.0f} ms; "
+                  f"width {step.rollout.tokens.shape[1]} tokens; "
+                  f"token_mult_prob_error {m['token_mult_prob_error']:.6f}")
+        if len(timed) > 1:
+            print(f"{len(timed)} steps: min {min(timed) * 1e3:.0f} ms, median {statistics.median(timed) * 1e3:.0f} ms, "
+                  f"max {max(timed) * 1e3:.0f} ms")
         rollout, training = [], []
         for method, sink in (("_rollout", rollout), ("_score", training), ("_optimize", training)):
             _profiled(trainer, method, sink, args.shapes)

@@ -50,6 +50,10 @@ class TrainConfig:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.99)
     micro_batches: int = 2  # optimizer steps per rollout batch (PPO epochs over minibatches)
+    # behaviour log-probs of the later micro-batches' rows: "all" = the training forward re-scores
+    # every row; "verified" = the rollout's, in a step where the first micro-batch's re-scored
+    # log-probs (and experts) equal the rollout's bit for bit, else re-scored as with "all"
+    rescore: str = "verified"
     # backward passes per micro-batch (whole prompt groups each); its gradient is their exact
     # float64 sum, and data-parallel ranks split them: N ranks need a multiple of N
     grad_chunks: int = 1
@@ -202,6 +206,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "rollout.engine": ("fp8rl", "vllm"),
     "train.lr_schedule": ("constant", "cosine"),
     "train.correction": ("none", "tis", "icepop", "seq-mask-tis"),
+    "train.rescore": ("all", "verified"),
     "export.format": ("hf", "fp8-block"),
     "export.scale_fmt": ("fp32", "ue8m0"),
     "export.dtype": ("float32", "bfloat16"),

@@ -155,13 +155,15 @@ class Scored:
     [rows, S] of each gradient chunk of the first micro-batch, reused by
     `_optimize`; the KL reference's `ref_logp` [b, S] if any; for an MoE model
     the experts the behaviour forward chose, `routing` [b, S, L, k]
-    (`Rollout.routing`'s form)."""
+    (`Rollout.routing`'s form); `rescored_rows`: how many of the step's rows the
+    training forward scored (the others' are the rollout's, `train.rescore`)."""
 
     old_logp: torch.Tensor
     logp: list[torch.Tensor]
     entropy: list[torch.Tensor]
     ref_logp: torch.Tensor | None
     routing: torch.Tensor | None = None
+    rescored_rows: int = 0  # rows (all ranks) whose `old_logp` the training forward computed
 
 
 @dataclass
@@ -446,7 +448,7 @@ class Trainer:
         self.step += 1
         times = {"time_rollout_s": t_rollout, "time_train_s": t_train, "time_sync_s": t_sync,
                  "time_step_s": time.perf_counter() - t_start}
-        return StepResult(self._metrics(out, rewards, correct, mismatch, is_stats, opt, times), out)
+        return StepResult(self._metrics(out, rewards, correct, mismatch, is_stats, opt, times, scored.rescored_rows), out)
 
     def _global(self, local: torch.Tensor) -> torch.Tensor:
         """This rank's rows [b, ...] -> the step's global batch [B, ...], one-process order."""
@@ -535,11 +537,34 @@ class Trainer:
             entropies.append(entropy)
         old_logp = torch.cat([lp.detach() for lp in logps])
         b, first = out.tokens.shape[0], old_logp.shape[0]
+        rescored = b
         if first < b:
-            with torch.inference_mode():
-                rest, _ = scored(range(first, b), with_entropy=False)
+            first_routing = None if out.routing is None else torch.cat(routings)
+            if self.cfg.train.rescore == "verified" and self._rollout_verified(out, old_logp, first_routing):
+                rest = out.logprobs[first:]  # the same bits the training forward would give
+                if out.routing is not None:
+                    routings.append(out.routing[first:])
+                rescored = first
+            else:
+                with torch.inference_mode():
+                    rest, _ = scored(range(first, b), with_entropy=False)
             old_logp = torch.cat([old_logp, rest])  # a normal tensor: made outside inference mode
-        return Scored(old_logp, logps, entropies, ref_logp, None if out.routing is None else torch.cat(routings))
+        return Scored(old_logp, logps, entropies, ref_logp, None if out.routing is None else torch.cat(routings),
+                      rescored_rows=sum(self.world.gather_objects(rescored)))
+
+    def _rollout_verified(self, out: Rollout, first_logp: torch.Tensor, first_routing: torch.Tensor | None) -> bool:
+        """Whether, on every rank, the training forward's log-probs of the first micro-batch's
+        rows `first_logp` [f, S] equal the rollout's bit for bit on every completion token
+        (and, for an MoE model, its experts `first_routing` the rollout's): then the same
+        quantized weights, scales and batch-invariant kernels gave the rollout's log-probs,
+        and those of the other rows are taken as the behaviour log-probs (`train.rescore`)."""
+        f = first_logp.shape[0]
+        mask = out.completion_mask[:f]
+        same = torch.equal(first_logp.float().view(torch.int32)[mask],
+                           out.logprobs[:f].float().view(torch.int32)[mask])
+        if same and first_routing is not None:
+            same = routing_mismatch(first_routing.to(torch.int32), out.routing[:f].to(torch.int32), mask) == 0.0
+        return not self.world.any(not same)
 
     def _correct(
         self, scored: Scored, out: Rollout, mask: torch.Tensor
@@ -657,10 +682,10 @@ class Trainer:
 
     def _metrics(
         self, out: Rollout, rewards: torch.Tensor, correct: torch.Tensor, mismatch: dict[str, float],
-        is_stats: dict[str, float], opt: Optimized, times: dict[str, float],
+        is_stats: dict[str, float], opt: Optimized, times: dict[str, float], rescored_rows: int,
     ) -> dict[str, float]:
         """One metrics.jsonl line: every name of METRIC_NAMES, over the global batch
-        (times and memory are this rank's)."""
+        (times and memory are this rank's), `skipped_steps` and `rescored_rows`."""
         rewards, correct = self._global(rewards), self._global(correct)
         n_tok = int(mismatch["n_tokens"])
         metrics: dict[str, float] = {
@@ -678,6 +703,7 @@ class Trainer:
             "rollout_tokens_per_s": n_tok / max(times["time_rollout_s"], 1e-9),
             "peak_mem_bytes": peak_memory_bytes(self.model.device),
             "skipped_steps": self.skipped_steps,
+            "rescored_rows": rescored_rows,
             **opt.grad_transport,
         }
         missing = set(METRIC_NAMES) - set(metrics)

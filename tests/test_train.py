@@ -98,6 +98,41 @@ def test_native_bf16_backend_trains_on_policy(tmp_path: Path, micro_batches: int
         assert math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])
 
 
+@pytest.mark.parametrize("model, flow", [("tiny-arith", "jet"), ("tiny-arith", "fp8-rollout"), ("tiny-moe", "jet")])
+def test_verified_rescore_gives_every_number_of_rescoring_all_rows(tmp_path: Path, model: str, flow: str):
+    # `train.rescore = "verified"` takes the second micro-batch's behaviour log-probs from the
+    # rollout only in a step where the first micro-batch's re-scored log-probs (and experts)
+    # equal the rollout's bit for bit: the exact flow skips that forward (8 of 16 rows scored),
+    # the off-policy one re-scores every row. Either way every number equals "all"'s.
+    runs = {}
+    for mode in ("all", "verified"):
+        cfg = small_cfg(tmp_path / mode, model=model, flow=flow,
+                        **{"train.rescore": mode, "eval.n": 0, "checkpoint.every": 0})
+        policy, tok = load(cfg.model)
+        Trainer(cfg, model=policy, tokenizer=tok, log=lambda s: None).run(progress=False)
+        runs[mode] = (_numbers(tmp_path / mode / "metrics.jsonl"), policy.state_dict())
+    (rows_all, weights_all), (rows_verified, weights_verified) = runs["all"], runs["verified"]
+    assert [r["rescored_rows"] for r in rows_all] == [16, 16]
+    assert [r["rescored_rows"] for r in rows_verified] == ([16, 16] if flow == "fp8-rollout" else [8, 8])
+    for ra, rv in zip(rows_all, rows_verified, strict=True):
+        assert {k: v for k, v in ra.items() if k != "rescored_rows"} == \
+            {k: v for k, v in rv.items() if k != "rescored_rows"}
+    for name, w in weights_all.items():
+        assert torch.equal(w, weights_verified[name]), name
+
+
+def test_one_ulp_off_in_the_first_micro_batch_rescores_every_row(tmp_path: Path):
+    trainer = Trainer(small_cfg(tmp_path / "r", **{"eval.n": 0, "checkpoint.every": 0}), log=lambda s: None)
+    problems = list(itertools.islice(trainer.stream, trainer.cfg.rollout.prompts_per_step))
+    out = trainer._rollout(problems)
+    assert trainer._score(out).rescored_rows == 8  # rows 0-7: the first micro-batch
+    row, col = out.completion_mask[:8].nonzero()[-1].tolist()  # its last completion token
+    out.logprobs[row, col] = torch.nextafter(out.logprobs[row, col], torch.tensor(0.0))
+    scored = trainer._score(out)
+    assert scored.rescored_rows == 16
+    assert scored.old_logp[row, col] != out.logprobs[row, col]  # the training forward's, not the rollout's
+
+
 def _numbers(path: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in TIMING} for r in read_metrics(path)]
 

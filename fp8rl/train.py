@@ -7,7 +7,8 @@ One step (`Trainer.train_step`), data flowing one way, one method per stage:
     _reward     completions -> task rewards, final-answer correctness,
                 group advantages
     _score      behaviour log-probs: the training forward on the same tokens
-                (same quantized weights, same KV scales); the KL reference's
+                (same quantized weights, same KV scales; `train.rescore`: the
+                rollout's where verified bit for bit); the KL reference's
     _correct    mismatch metrics and importance weights vs the rollout log-probs
     _optimize   `micro_batches` optimizer steps, each: training forward, PPO
                 loss, backward, clip, AdamW on FP32 master weights, quantize
@@ -516,8 +517,11 @@ class Trainer:
         that sampled: the behaviour log-probs. Each gradient chunk of the first
         micro-batch is scored with a graph, which its backward reuses (no second
         forward of the same rows on the same weights); the other rows without
-        one. The backends are batch-invariant, so scoring rows apart or together
-        gives the same bits."""
+        one, or, with `train.rescore = "verified"`, not at all in a step where the
+        first micro-batch's log-probs came out the rollout's bit for bit
+        (`_rollout_verified`): then the rollout's log-probs are the behaviour
+        log-probs. The backends are batch-invariant, so scoring rows apart or
+        together gives the same bits."""
         temp = self.sampling.logprob_temperature
         # Forwards without a graph run in inference mode (fewer dispatch steps per op, as in the
         # rollout); what they return is only read, or indexed into normal tensors, by the loss.

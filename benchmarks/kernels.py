@@ -1,10 +1,13 @@
-"""The compiled activation quantization (fp8rl/fp8/kernels.c) against its torch code, side by side.
+"""The compiled quantization (fp8rl/fp8/kernels.c) against its torch code, side by side.
 
-Three measurements, each alternating the two paths in one run (the torch path is what
+Four measurements, each alternating the two paths in one run (the torch path is what
 runs with `FP8RL_KERNELS=0`, or where no C compiler is):
 
 - per call: `quantize_dequantize` of a few activation shapes, compiled vs torch (best of 5
   rounds of `--calls` calls), and a check that both give the same bits;
+- weights: every FP8 linear's weight quantized to 128 x 128 blocks (what `refresh_weights`
+  does once per optimizer step) and dequantized to BF16 (the form the `amx` backend
+  multiplies), compiled vs torch, alternated for `--rounds` rounds, bits compared;
 - a decode step: one model's bf16 and jet decode forwards (`decode_step.time_decode`), and
   jet again on the torch path, interleaved for `--rounds` rounds (this VM's noise moves
   whole minutes, so each round holds one of each);
@@ -34,7 +37,8 @@ import torch
 from decode_step import time_decode
 from vs_trl import cpu_name
 from fp8rl.fp8 import kernels
-from fp8rl.fp8.quant import quantize_dequantize
+from fp8rl.fp8.linear import WEIGHT_BLOCK, FP8Linear
+from fp8rl.fp8.quant import dequantize, quantize, quantize_dequantize
 from fp8rl.model.load import load
 from fp8rl.precision import apply_flow, refresh_weights
 from fp8rl.runlog import read_metrics
@@ -70,6 +74,32 @@ def per_call(calls: int) -> list[dict]:
             out.append({"shape": list(shape), "torch_us": torch_us, "compiled_us": compiled_us,
                         "speedup": torch_us / compiled_us, "same_bits": same})
     return out
+
+
+def weight_refresh(src: str, rounds: int) -> dict:
+    model, _ = load(src)
+    apply_flow(model, "jet", "auto")
+    linears = [m for m in model.modules() if isinstance(m, FP8Linear)]
+
+    def refresh(compiled: bool) -> list:
+        out = []
+        for lin in linears:
+            q = quantize(lin.weight.detach(), WEIGHT_BLOCK, scale_fmt=lin.plan.scale_fmt, name=lin.name, compiled=compiled)
+            out.append((q, dequantize(q, torch.bfloat16, compiled=compiled)))
+        return out
+
+    same = all(torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)) and torch.equal(a.scale, b.scale)
+               and torch.equal(da.view(torch.int16), db.view(torch.int16))
+               for (a, da), (b, db) in zip(refresh(False), refresh(True), strict=True))
+    ms: dict[str, list[float]] = {"torch": [], "compiled": []}
+    with torch.no_grad():
+        for _ in range(rounds):
+            for key, compiled in (("torch", False), ("compiled", True)):
+                t0 = time.perf_counter()
+                refresh(compiled)
+                ms[key].append((time.perf_counter() - t0) * 1e3)
+    return {"model": src, "linears": len(linears), "weights": sum(m.weight.numel() for m in linears),
+            "ms": ms, "same_bits": same}
 
 
 def decode_rounds(src: str, rows: int, rounds: int) -> dict:
@@ -128,6 +158,7 @@ def main() -> int:
         raise SystemExit("no compiled kernels on this machine (no C compiler, or FP8RL_KERNELS=0): nothing to compare")
     report = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
               "per_call": per_call(args.calls),
+              "weights": [weight_refresh(m, args.rounds) for m in args.models.split(",") if m],
               "decode": [decode_rounds(m, args.rows, args.rounds) for m in args.models.split(",") if m],
               "default_runs": default_runs(args.default_runs)}
     print(json.dumps(report, indent=2))
@@ -136,6 +167,11 @@ def main() -> int:
     for r in report["per_call"]:
         print(f"{str(tuple(r['shape'])):<22}{r['torch_us']:>10.1f}{r['compiled_us']:>13.1f}{r['speedup']:>8.2f}x"
               f"{str(r['same_bits']):>11}", file=sys.stderr)
+    for w in report["weights"]:
+        print(f"\n{w['model']}: {w['linears']} FP8 weights ({w['weights'] / 1e6:.1f}M) quantized and dequantized to BF16, "
+              f"ms per round (same bits: {w['same_bits']}):", file=sys.stderr)
+        for key, values in w["ms"].items():
+            print(f"  {key:<18}{', '.join(f'{v:.1f}' for v in values)}", file=sys.stderr)
     for d in report["decode"]:
         print(f"\n{d['model']}, decode step of {d['rows']} rows, ms per round (torch calls):", file=sys.stderr)
         for key, values in d["ms_per_step"].items():

@@ -13,7 +13,7 @@ import torch
 
 from fp8rl.fp8 import kernels
 from fp8rl.fp8.formats import AMAX_FLOORS
-from fp8rl.fp8.quant import NonFiniteError, quantize_dequantize
+from fp8rl.fp8.quant import NonFiniteError, dequantize, quantize, quantize_dequantize
 
 
 @pytest.fixture
@@ -47,11 +47,17 @@ def _inputs(g: torch.Generator) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("scale_fmt", ["fp32", "ue8m0"])
-@pytest.mark.parametrize("floor", sorted(set(AMAX_FLOORS.values())))
-def test_compiled_quantize_dequantize_is_the_torch_path_bit_for_bit(scale_fmt: str, floor: float):
+@pytest.fixture(params=[(fmt, floor) for fmt in ("fp32", "ue8m0") for floor in sorted(set(AMAX_FLOORS.values()))],
+                ids=lambda p: f"{p[0]}-floor{p[1]:g}")
+def recipe(request: pytest.FixtureRequest) -> tuple[str, float]:
+    """(scale format, amax floor): every one the presets use, where the kernels are."""
     if kernels.library() is None:
         pytest.skip("no compiled kernels here")
+    return request.param
+
+
+def test_compiled_quantize_dequantize_is_the_torch_path_bit_for_bit(recipe: tuple[str, float]):
+    scale_fmt, floor = recipe
     g = torch.Generator().manual_seed(31)
     for x in _inputs(g):
         for scale in (1e-12, 1e-3, 1.0, 1e20):
@@ -62,6 +68,45 @@ def test_compiled_quantize_dequantize_is_the_torch_path_bit_for_bit(scale_fmt: s
             assert got.stride() == want.stride()  # the same layout for the GEMMs that read it
             # signs of zero included: both paths give +0 where a negative value rounds to 0
             assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (tuple(x.shape), scale)
+
+
+def _weights(g: torch.Generator) -> list[torch.Tensor]:
+    """Weights and weight-gradient operands as `quantize` sees them with 2-D blocks: values
+    over 80 binades, a -0 and a tiny negative (codes with the sign of a value that rounds
+    to zero), ragged blocks on either axis (SmolLM2's 576 and 192), a strided view, BF16."""
+    out = []
+    for shape in [(128, 128), (576, 576), (192, 576), (7, 130), (300, 1), (1, 300), (200, 129)]:
+        x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-40, 40, shape, generator=g).float())
+        x[0, 0], x.view(-1)[-1] = -0.0, -1e-30
+        out.append(x)
+    wide = torch.randn(300, 700, generator=g)
+    return out + [wide[:, 50:626], wide.T[:256], torch.randn(130, 576, generator=g).bfloat16()]
+
+
+def test_compiled_block_quantize_and_dequantize_are_the_torch_path_bit_for_bit(recipe: tuple[str, float]):
+    scale_fmt, floor = recipe
+    g = torch.Generator().manual_seed(37)
+    for x in _weights(g):
+        for scale in (1e-12, 1.0, 1e20):
+            for block in [(128, 128), (128, 1), (64, 32)]:  # weights, the FP8 wgrad's token blocks, any
+                want = quantize(x * scale, block, scale_fmt=scale_fmt, amax_floor=floor, compiled=False)
+                got = quantize(x * scale, block, scale_fmt=scale_fmt, amax_floor=floor)
+                assert got.data.dtype == want.data.dtype and got.block == want.block
+                assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8)), (tuple(x.shape), block)
+                assert torch.equal(got.scale, want.scale)
+                for q in (want, want.t()):  # the dgrad reads the transposed weight
+                    for dtype, bits in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16)):
+                        fast, slow = dequantize(q, dtype), dequantize(q, dtype, compiled=False)
+                        assert fast.dtype == slow.dtype == dtype
+                        assert torch.equal(fast.view(bits), slow.view(bits)), (tuple(x.shape), block, dtype)
+
+
+def test_compiled_block_quantize_names_a_non_finite_tensor():
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        w = torch.ones(256, 200)
+        w[130, 150] = bad
+        with pytest.raises(NonFiniteError, match="'layers.3.mlp.up_proj.weight'"):
+            quantize(w, (128, 128), name="layers.3.mlp.up_proj.weight")
 
 
 def test_compiled_path_names_a_non_finite_tensor():
@@ -76,10 +121,14 @@ def test_without_kernels_the_torch_path_runs(fresh_library: pytest.MonkeyPatch):
     x = torch.randn(4, 256)
     want = quantize_dequantize(x, 128, compiled=False)
     fresh_library.setenv(kernels.ENV_SWITCH, "0")
+    w = torch.randn(200, 300)
+    qw = quantize(w, (128, 128), compiled=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # switched off on purpose: no warning
         assert kernels.library() is None
         assert torch.equal(quantize_dequantize(x, 128), want)
+        assert torch.equal(quantize(w, (128, 128)).data.view(torch.uint8), qw.data.view(torch.uint8))
+        assert torch.equal(dequantize(qw, torch.bfloat16), dequantize(qw, compiled=False).bfloat16())
     kernels.library.cache_clear()
     fresh_library.delenv(kernels.ENV_SWITCH)
     fresh_library.setenv("CC", "/nonexistent/cc")

@@ -719,7 +719,7 @@ class AMXBackend(Backend):
 
     def fp8_matmul(self, a: QTensor, b: QTensor, out_dtype: torch.dtype, invariant: bool = True) -> torch.Tensor:
         if "amx_w" not in b.cache:  # the weight side: dequantized once per quantization
-            b.cache["amx_w"] = dequantize(b).bfloat16()
+            b.cache["amx_w"] = dequantize(b, torch.bfloat16)
         return _native_rows(dequantize(a), b.cache["amx_w"], invariant, b.cache).to(out_dtype)
 
     def linear_input(
@@ -731,7 +731,7 @@ class AMXBackend(Backend):
     def fp8_linear(self, xq: torch.Tensor, w: QTensor) -> torch.Tensor:
         """The dequantized input into the native GEMM."""
         if "amx_w" not in w.cache:
-            w.cache["amx_w"] = dequantize(w).bfloat16()
+            w.cache["amx_w"] = dequantize(w, torch.bfloat16)
         return _native_rows(xq, w.cache["amx_w"], True, w.cache)
 
     def bf16_matmul(self, a: torch.Tensor, b: torch.Tensor, cache: dict, invariant: bool = True) -> torch.Tensor:

@@ -126,12 +126,16 @@ def quantize(
     scale_fmt: str = "fp32",
     name: str = "tensor",
     amax_floor: float = AMAX_FLOOR,
+    compiled: bool = True,
 ) -> QTensor:
     """Quantize ``x`` ``[..., M, K]`` block-wise to FP8 (see module docstring).
 
     ``name`` names the tensor in the error raised when ``x`` holds NaN or Inf
     (a non-finite value would otherwise poison its block's scale silently);
-    ``amax_floor`` is the smallest amax a block is scaled for.
+    ``amax_floor`` is the smallest amax a block is scaled for. A 2-D E4M3 weight
+    (``bm > 1``) on the CPU takes the compiled kernel where it is available, with
+    ``compiled`` (``kernels.quantize_blocks``: the same operations, the same bits);
+    the torch code below is what runs elsewhere and what it is tested against.
     Returns a QTensor with ``data`` ``[..., M, K]`` and ``scale``
     ``[..., ceil(M/bm), ceil(K/bk)]``.
     """
@@ -145,6 +149,13 @@ def quantize(
         raise ValueError(f"quantize needs a float32/bf16/fp16/fp64 tensor, {name!r} is {x.dtype}")
 
     *lead, m, k = x.shape
+    if bm > 1 and fmt == "e4m3" and compiled:  # a weight: one compiled pass where available
+        try:
+            made = kernels.quantize_blocks(x, bm, bk, scale_fmt == "ue8m0", amax_floor)
+        except ValueError:
+            raise NonFiniteError(f"quantize: tensor {name!r} contains NaN or Inf") from None
+        if made is not None:
+            return QTensor(made[0], made[1], (bm, bk), fmt, scale_fmt)
     if bm == 1 and k % bk == 0:
         return _quantize_rows(x, bk, f, scale_fmt, name, amax_floor)
     if bm == 1 and k % bk:
@@ -297,8 +308,19 @@ def _lut(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.arange(256, dtype=torch.uint8, device=device).view(dtype).float()
 
 
-def dequantize(q: QTensor) -> torch.Tensor:
-    """FP32 tensor ``[..., M, K]`` with ``data * scale`` (one FP32 rounding per element)."""
+def dequantize(q: QTensor, dtype: torch.dtype = torch.float32, compiled: bool = True) -> torch.Tensor:
+    """Tensor ``[..., M, K]`` with ``data * scale`` (one FP32 rounding per element), as
+    FP32 or rounded once more to ``dtype`` (``dequantize(q).to(dtype)``'s bits). A 2-D
+    E4M3 tensor on the CPU takes one compiled pass where available (``compiled``)."""
+    if compiled:
+        out = kernels.dequantize_blocks(q.data, q.scale, *q.block, dtype)
+        if out is not None:
+            return out
+    out = _dequantize32(q)
+    return out if dtype == torch.float32 else out.to(dtype)
+
+
+def _dequantize32(q: QTensor) -> torch.Tensor:
     bm, bk = q.block
     m, k = q.data.shape[-2:]
     out = fp8_to_float(q.data)

@@ -136,7 +136,9 @@ def qdq_rows(x: torch.Tensor, bk: int, ue8m0: bool, amax_floor: float) -> torch.
     # The torch code's layout too: a ragged K is the first K columns of whole blocks, so that
     # whatever reads the result (a BLAS call choosing its kernel from the strides) sees the same.
     padded = -(-k // bk) * bk
-    out = torch.empty(x2.shape[0], padded, dtype=torch.float32)[:, :k]
+    out = torch.empty(x2.shape[0], padded, dtype=torch.float32)
+    if padded != k:
+        out = out[:, :k]
     if lib.fp8rl_qdq_rows(x2.data_ptr(), x2.stride(0), out.data_ptr(), padded, x2.shape[0], k, bk, amax_floor, ue8m0):
         raise ValueError("NaN or Inf")
     return out.reshape(x.shape)  # a view: only the leading dims are split

@@ -107,7 +107,9 @@ def _fprop(
         y = plan.backend.bf16_matmul(x2, call.weight_bf16, call.bf16_caches[0])
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+    if y.dtype != x.dtype:
+        y = y.to(x.dtype)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 # What an FP8 gradient transport loses, summed over a layer's backward calls (float64 counts):

@@ -97,12 +97,13 @@ def store_heads(x: torch.Tensor, precision: str, scale: torch.Tensor | None) -> 
     if precision == "fp32":
         return x
     with torch.no_grad():
+        data = x.detach() if x.requires_grad else x
         if precision == "bf16":
-            value = x.detach().to(torch.bfloat16).float()
+            value = data.to(torch.bfloat16).float()
         elif precision == "fp8":
             if scale is None:
                 raise ValueError("FP8 storage of attention heads needs per-head scales")
-            value = dequantize_static(x.detach(), scale.view(1, -1, 1, 1))
+            value = dequantize_static(data, scale.view(1, -1, 1, 1))
         else:
             raise ValueError(f"unknown attention storage precision {precision!r}")
     if x.requires_grad:
@@ -179,7 +180,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
+        x32 = x if x.dtype == torch.float32 else x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32
 
@@ -204,11 +205,12 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, D]; cos, sin [B, T, D] (the HF rotate-half convention)."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_rot: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, D]; cos, sin_rot [B, 1, T, D] (`Transformer.rope`): the HF rotate-half
+    convention, ``x * cos + cat(-x2, x1) * sin``, with the minus sign carried by the first
+    half of ``sin_rot`` (``x2 * -s`` is ``-(x2 * s)`` exactly: the same bits, one pass fewer)."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin_rot
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
@@ -509,11 +511,14 @@ class Transformer(nn.Module):
                 getattr(layer.self_attn, f"{name}_scale").copy_(torch.tensor(scales[f"{i}.{name}"]))
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [B, T, head_dim] for integer positions [B, T] (elementwise, so
-        the same position always gets the same bits)."""
+        """cos, sin_rot [B, 1, T, head_dim] for integer positions [B, T] (elementwise, so
+        the same position always gets the same bits), as `apply_rope` takes them: made
+        once per forward, for every layer (sin_rot: sin with its first half negated)."""
         freqs = positions.float()[..., None] * self.inv_freq.float()  # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
+        sin = emb.sin()  # of the whole [B, T, D], as before: which elements a vector kernel takes is unchanged
+        half = sin.shape[-1] // 2
+        return emb.cos()[:, None], torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)[:, None]
 
     def key_slots(self, n_live: int, cache_len: int) -> int:
         """How many leading key slots a decode step whose keys sit in the first `n_live`

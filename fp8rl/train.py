@@ -540,21 +540,22 @@ class Trainer:
             logps.append(logp)
             entropies.append(entropy)
         old_logp = torch.cat([lp.detach() for lp in logps])
+        routing = None if out.routing is None else torch.cat(routings)  # the first micro-batch's so far
         b, first = out.tokens.shape[0], old_logp.shape[0]
         rescored = b
         if first < b:
-            first_routing = None if out.routing is None else torch.cat(routings)
-            if self.cfg.train.rescore == "verified" and self._rollout_verified(out, old_logp, first_routing):
+            if self.cfg.train.rescore == "verified" and self._rollout_verified(out, old_logp, routing):
                 rest = out.logprobs[first:]  # the same bits the training forward would give
-                if out.routing is not None:
-                    routings.append(out.routing[first:])
+                rest_routing = None if routing is None else out.routing[first:]
                 rescored = first
             else:
                 with torch.inference_mode():
                     rest, _ = scored(range(first, b), with_entropy=False)
+                rest_routing = None if routing is None else routings[-1]
             old_logp = torch.cat([old_logp, rest])  # a normal tensor: made outside inference mode
-        return Scored(old_logp, logps, entropies, ref_logp, None if out.routing is None else torch.cat(routings),
-                      rescored_rows=sum(self.world.gather_objects(rescored)))
+            routing = None if routing is None else torch.cat([routing, rest_routing])
+        # Every rank holds as many rows and takes the same decision (`_rollout_verified`): no collective.
+        return Scored(old_logp, logps, entropies, ref_logp, routing, rescored_rows=rescored * self.world.size)
 
     def _rollout_verified(self, out: Rollout, first_logp: torch.Tensor, first_routing: torch.Tensor | None) -> bool:
         """Whether, on every rank, the training forward's log-probs of the first micro-batch's

@@ -115,7 +115,7 @@ def _accumulate_tile(a: torch.Tensor, b_blocks: list[torch.Tensor], bk: int) -> 
         return _accumulate_tile(a[0], b_blocks, bk)[None]
     out = None
     for j, b_blk in enumerate(b_blocks):
-        x = a if len(b_blocks) == 1 and a.shape[-1] == bk else a[..., j * bk : (j + 1) * bk]
+        x = a if a.shape[-1] <= bk else a[..., j * bk : (j + 1) * bk]  # one block: the whole of a
         w = b_blk.T
         if a.dim() == 3:
             w = w.expand(a.shape[0], *w.shape)
@@ -390,17 +390,14 @@ def _tiled_rows(
     operand, ``[..., T, T]``, is not)."""
     m = a.shape[-2]
     tile = tiles.tile_for(m)
-    if tiles.batched and a.dim() == 2 and m <= tile:  # one tile: the 2-D call the batched one makes of it
-        if m < tile:
-            a = torch.cat([a, a.new_zeros(tile - m, a.shape[-1])])
-        out = gemm(a)
-        out = out[:m] if m < tile else out
-        return out if out_dtype is None else out.to(out_dtype)
     if tiles.batched:
         pad = -m % tile
         if pad:
             a = torch.cat([a, a.new_zeros(*a.shape[:-2], pad, a.shape[-1])], dim=-2)
-        out = gemm(a.unflatten(-2, (-1, tile))).flatten(-3, -2)
+        if a.dim() == 2 and a.shape[0] == tile:  # one tile: the 2-D call the batched one makes of it
+            out = gemm(a)
+        else:
+            out = gemm(a.unflatten(-2, (-1, tile))).flatten(-3, -2)
         out = out[..., :m, :] if pad else out
         return out if out_dtype is None else out.to(out_dtype)
 

@@ -248,12 +248,13 @@ class GradientSum:
     norm of the whole, from the per-parameter norms in parameter order, is
     broadcast.
 
-    The sum passes the parameters in `groups` (`backward_groups`: each decoder
-    layer, last first, then the rest), and it need not wait for the backward to
-    end: in a rank's last chunk of the micro-batch (`streaming`), the trainer calls
-    `stream(g)` as soon as the backward has finished layer g, which passes that
-    layer's gradients on and drops them. With one chunk per rank (`grad_chunks` =
-    N) a rank then never holds its chunk's whole gradient, one layer's at a time.
+    The sum passes the parameters in `groups` (`backward_groups`: the final norm
+    and an untied LM head, each decoder layer, last first, then the rest), and it
+    need not wait for the backward to end: in a rank's last chunk of the
+    micro-batch (`streaming`), the trainer calls `stream(g)` as soon as the
+    backward has finished group g, which passes its gradients on and drops them.
+    With one chunk per rank (`grad_chunks` = N) a rank then never holds its chunk's
+    whole gradient, one group's at a time (and the embeddings' at the end).
     Every rank passes the groups in the same order (a group not streamed, or
     streamed out of order, is passed by `reduce()`), so the additions and the
     messages are the same whichever rank streams what."""
@@ -268,7 +269,8 @@ class GradientSum:
         self.world = world
         self.piece = piece
         # The order in which the running sum passes the parameters: groups of indices
-        # (a decoder layer's, in the order the backward finishes them, then the rest).
+        # (the head's, then a decoder layer's each, in the order the backward finishes
+        # them, then the rest).
         self.groups = groups if groups is not None else [list(range(len(params)))]
         if sorted(i for g in self.groups for i in g) != list(range(len(params))):
             raise ValueError("GradientSum groups must hold every parameter index exactly once")
@@ -309,7 +311,7 @@ class GradientSum:
 
     def stream(self, group: int) -> None:
         """During the backward of this rank's last chunk of the micro-batch, when
-        `group`'s gradients are final (its decoder layer is done): take them and pass
+        `group`'s gradients are final (its head or decoder layer is done): take them and pass
         the running sum over them now, so this rank never holds the chunk's whole
         gradient. Only in order: a group whose predecessors have not passed waits
         for `reduce()`, which passes every rank's groups in the same order (so a
@@ -404,12 +406,25 @@ class GradientSum:
         self.passed[group] = True
 
 
+def backward_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules whose input gradient marks a `backward_groups` group final, in
+    the order the backward reaches them: the final norm (its group: the norm and an
+    untied LM head, whose gradients the backward has accumulated by then), then the
+    decoder layers, last first."""
+    return [model.model.norm, *reversed(model.model.layers)]
+
+
 def backward_groups(model: nn.Module, params: list[nn.Parameter]) -> list[list[int]]:
-    """Indices into `params` per decoder layer, last layer first (the order in which
-    a backward finishes them), then the rest (embeddings, final norm, LM head): the
-    order in which `GradientSum` passes them."""
+    """Indices into `params` in the order a backward finishes them, the order in
+    which `GradientSum` passes them: the final norm and an untied LM head (the
+    LM head's gradient is the largest of a decoder with a big vocabulary), each
+    decoder layer, last layer first, then the rest (embeddings, and a tied LM head,
+    which is the embedding and gets its last term only at the end)."""
     index = {id(p): i for i, p in enumerate(params)}
-    groups = [[index[id(p)] for p in layer.parameters() if id(p) in index] for layer in reversed(model.model.layers)]
+    embedding = {id(p) for p in model.model.embed_tokens.parameters()}
+    head = [*model.model.norm.parameters(), *(p for p in model.lm_head.parameters() if id(p) not in embedding)]
+    units = [head, *(list(layer.parameters()) for layer in reversed(model.model.layers))]
+    groups = [[index[id(p)] for p in unit if id(p) in index] for unit in units]
     seen = {i for g in groups for i in g}
     return [*groups, [i for i in range(len(params)) if i not in seen]]
 

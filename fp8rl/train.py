@@ -56,6 +56,7 @@ from fp8rl.config import COMMAND_SECTIONS, RunConfig, from_dict, save_config
 from fp8rl.distributed import (
     GradientSum,
     backward_groups,
+    backward_modules,
     ShardedMaster,
     World,
     clip_,
@@ -259,14 +260,14 @@ class Trainer:
         # vLLM samples the rollouts: started on the current weights, refit before every rollout.
         self.engine = VLLMEngine(model, tokenizer, model.config.max_position_embeddings, cfg.seed) if (
             r.engine == "vllm") else None
-        # Under data parallelism the gradient sum passes each decoder layer as soon as
-        # the backward of a rank's last chunk has finished it (`GradientSum.stream`).
+        # Under data parallelism the gradient sum passes the head and each decoder layer
+        # as soon as the backward of a rank's last chunk has finished it (`GradientSum.stream`).
         self.grad_groups = backward_groups(model, self.params)
         self._grad_sum: GradientSum | None = None
-        self._layer_calls = [0] * len(self.grad_groups)  # per group: forward calls whose backward is to come
+        self._group_calls = [0] * len(self.grad_groups)  # per group: forward calls whose backward is to come
         if self.world.size > 1:
-            for group, layer in enumerate(reversed(model.model.layers)):
-                layer.register_forward_pre_hook(functools.partial(self._watch_layer_input, group))
+            for group, module in enumerate(backward_modules(model)):
+                module.register_forward_pre_hook(functools.partial(self._watch_group_input, group))
         if self.master:
             freed = self.master.release()
             if freed:
@@ -455,20 +456,22 @@ class Trainer:
         """This rank's rows [b, ...] -> the step's global batch [B, ...], one-process order."""
         return gather_global(local, self.row_order, self.world)
 
-    def _watch_layer_input(self, group: int, _layer: torch.nn.Module, args: tuple) -> None:
-        """A decoder layer's forward pre-hook: in a forward with a graph, a hook on the
-        gradient of the layer's input, which the backward computes only after every
-        gradient of the layer's own parameters from that call is accumulated. A
-        forward that shares prompts calls each layer twice (`forward_shared_prompts`):
-        `group` is final once the input gradients of all its calls are in."""
+    def _watch_group_input(self, group: int, _module: torch.nn.Module, args: tuple) -> None:
+        """A forward pre-hook of a `backward_modules` module (the final norm, a decoder
+        layer): in a forward with a graph, a hook on the gradient of the module's
+        input, which the backward computes only after every gradient of the group's
+        parameters from that call is accumulated (for the norm's group, the LM
+        head's too: the head reads the norm's output). A forward that shares prompts
+        calls each layer twice (`forward_shared_prompts`): `group` is final once
+        the input gradients of all its calls are in."""
         x = args[0]
         if torch.is_grad_enabled() and x.requires_grad:
-            self._layer_calls[group] += 1
-            x.register_hook(functools.partial(self._layer_input_done, group))
+            self._group_calls[group] += 1
+            x.register_hook(functools.partial(self._group_input_done, group))
 
-    def _layer_input_done(self, group: int, _grad: torch.Tensor) -> None:
-        self._layer_calls[group] -= 1
-        if self._layer_calls[group] == 0 and self._grad_sum is not None:
+    def _group_input_done(self, group: int, _grad: torch.Tensor) -> None:
+        self._group_calls[group] -= 1
+        if self._group_calls[group] == 0 and self._grad_sum is not None:
             self._grad_sum.stream(group)
 
     def _units(self, micro_batch: int) -> list[range]:
@@ -625,13 +628,13 @@ class Trainer:
                     ref_logp=scored.ref_logp[rows] if scored.ref_logp is not None else None, kl_coef=t.kl_coef,
                     n_normalize=n_tokens,
                 )
-                grads.streaming = j == len(units_i) - 1  # this rank's last chunk: pass layers as they finish
+                grads.streaming = j == len(units_i) - 1  # this rank's last chunk: pass groups as they finish
                 finite = finite and self._backward(loss)
                 grads.add()
                 ent_sum = float(torch.where(sub.completion_mask, ent.detach(), 0).double().sum())
                 units.append((float(loss.detach()), stats["n_clipped"], ent_sum))
             summed, norm = grads.reduce()
-            self._layer_calls = [0] * len(self.grad_groups)  # a skipped chunk's backward never comes
+            self._group_calls = [0] * len(self.grad_groups)  # a skipped chunk's backward never comes
             grad_norm = self._clip_and_step(summed, norm, finite and not self.world.any(not finite))
             if not self.master:  # (under data parallelism `pull()` has requantized)
                 refresh_weights(self.model)  # quantize once per optimizer step

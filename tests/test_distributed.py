@@ -229,74 +229,97 @@ def test_layers_passed_during_the_backward_sum_what_the_reduce_sums():
         GradientSum([torch.nn.Parameter(torch.zeros(2))] * 2, World(), groups=[[0]])
 
 
-@pytest.mark.parametrize("model_name", ["tiny-arith", "tiny-moe"])
-def test_a_layers_input_gradient_comes_after_all_its_parameter_gradients(model_name: str):
-    """What the trainer's streaming relies on (`Trainer._watch_layer_input`): when the
-    gradient of a decoder layer's input is computed, every gradient of that layer's
-    parameters this backward gives is already accumulated, and none of the layers
-    below it has one yet (MoE experts no token chose get none at all)."""
+def _jet_policy(name: str) -> torch.nn.Module:
+    """A built-in policy (all tie their embeddings) or "untied": a tiny model whose
+    LM head is its own matrix, as in Llama-3-8B; under jet, weights quantized."""
     from fp8rl.model import load
-    from fp8rl.model.transformer import make_context
-    from fp8rl.precision import apply_flow, phase
+    from fp8rl.precision import apply_flow, refresh_weights
+    from test_engine import tiny_model
 
-    model, _ = load(model_name)
+    model = tiny_model() if name == "untied" else load(name)[0]
+    assert model.config.tie_word_embeddings == (name != "untied")
     apply_flow(model, "jet", backend="cpu")
-    layers = list(model.model.layers)
-    seen: list[tuple[int, list[bool], bool]] = []
+    refresh_weights(model)
+    return model
 
-    def watch(i: int, _layer, args) -> None:
+
+POLICIES = ["tiny-arith", "tiny-moe", "untied"]
+
+
+@pytest.mark.parametrize("model_name", POLICIES)
+def test_a_groups_input_gradient_comes_after_all_its_parameter_gradients(model_name: str):
+    """What the trainer's streaming relies on (`Trainer._watch_group_input`): when the
+    gradient of a `backward_modules` module's input is computed (the final norm's,
+    then each decoder layer's, last first), every gradient of its `backward_groups`
+    group (the norm and an untied LM head; a layer's parameters) is final, and no
+    later group has one yet (MoE experts no token chose get none at all)."""
+    from fp8rl.distributed import backward_groups, backward_modules
+    from fp8rl.model.transformer import make_context
+    from fp8rl.precision import phase
+
+    model = _jet_policy(model_name)
+    params = list(model.parameters())
+    groups, modules = backward_groups(model, params), backward_modules(model)
+    assert len(groups) == len(modules) + 1  # the rest: the embeddings (a tied LM head), passed at the end
+    head = {id(p) for p in (model.model.norm.weight, model.lm_head.weight)}
+    assert {id(params[i]) for i in groups[0]} == (head if model_name == "untied" else {id(model.model.norm.weight)})
+    seen: list[tuple[int, list[torch.Tensor | None], bool]] = []
+
+    def watch(g: int, _module, args) -> None:
         def check(_grad) -> None:
-            mine = [p.grad is not None for p in layers[i].parameters()]
-            below = any(p.grad is not None for layer in layers[:i] for p in layer.parameters())
-            seen.append((i, mine, below))
+            now = [None if params[i].grad is None else params[i].grad.clone() for i in groups[g]]
+            later = any(params[i].grad is not None for group in groups[g + 1:] for i in group)
+            seen.append((g, now, later))
         args[0].register_hook(check)
 
-    for i, layer in enumerate(layers):
-        layer.register_forward_pre_hook(functools.partial(watch, i))
-    tokens = torch.randint(2, 300, (4, 24))
+    for g, module in enumerate(modules):
+        module.register_forward_pre_hook(functools.partial(watch, g))
+    tokens = torch.randint(2, min(300, model.config.vocab_size), (4, 24))
     with phase(model, "train"):
         logits = model(tokens, make_context(torch.zeros(4, dtype=torch.long), 0, 24, 32))
     logits.float().log_softmax(-1).mean().backward()
-    assert [i for i, _, _ in seen] == list(reversed(range(len(layers))))
-    for i, mine, below in seen:
-        assert mine == [p.grad is not None for p in layers[i].parameters()] and any(mine) and not below, i
+    assert [g for g, _, _ in seen] == list(range(len(modules)))
+    for g, now, later in seen:
+        final = [params[i].grad for i in groups[g]]
+        assert any(x is not None for x in now) and not later, g
+        assert all((x is None and y is None) or torch.equal(x, y) for x, y in zip(now, final)), g
 
 
-@pytest.mark.parametrize("model_name", ["tiny-arith", "tiny-moe"])
-def test_the_trainer_streams_a_layer_once_the_backward_of_all_its_calls_is_done(model_name: str):
+@pytest.mark.parametrize("model_name", POLICIES)
+def test_the_trainer_streams_a_group_once_the_backward_of_all_its_calls_is_done(model_name: str):
     """A training forward that shares prompts (`score`'s default on GRPO groups) calls
     every decoder layer twice, and the prompt call's parameter gradients arrive with
-    the completion call's K/V gradients. `Trainer._watch_layer_input` must pass a
-    layer to the gradient sum only when both calls' backward is done: the gradients
-    taken then are the layer's final ones, every layer is passed once, last first."""
-    from fp8rl.model import load
-    from fp8rl.precision import apply_flow, refresh_weights
+    the completion call's K/V gradients. `Trainer._watch_group_input` must pass a
+    group to the gradient sum only when all its calls' backward is done: the
+    gradients taken then are the group's final ones, every group is passed once,
+    the head's first, then the layers, last first."""
+    from fp8rl.distributed import backward_groups, backward_modules
     from fp8rl.rollout.engine import SamplingParams, generate, score
     from fp8rl.train import Trainer
 
-    model, _ = load(model_name)
-    apply_flow(model, "jet", backend="cpu")
-    refresh_weights(model)
-    groups = list(reversed(model.model.layers))  # the trainer's groups: the last layer first
+    model = _jet_policy(model_name)
+    params = list(model.parameters())
+    groups, modules = backward_groups(model, params), backward_modules(model)
     taken: dict[int, list[torch.Tensor | None]] = {}
 
     class Recorder:  # stands for GradientSum.stream: what the sum would take now
         def stream(self, group: int) -> None:
             assert group not in taken, group
-            taken[group] = [None if p.grad is None else p.grad.clone() for p in groups[group].parameters()]
+            taken[group] = [None if params[i].grad is None else params[i].grad.clone() for i in groups[group]]
 
     trainer = object.__new__(Trainer)  # only the hooks' state
-    trainer._layer_calls, trainer._grad_sum = [0] * len(groups), Recorder()
-    for group, layer in enumerate(groups):
-        layer.register_forward_pre_hook(functools.partial(trainer._watch_layer_input, group))
+    trainer._group_calls, trainer._grad_sum = [0] * len(groups), Recorder()
+    for group, module in enumerate(modules):
+        module.register_forward_pre_hook(functools.partial(trainer._watch_group_input, group))
     prompts = [[5 + i, 40 + 3 * i, 77, 12 + i][: 2 + i % 3] for i in range(3) for _ in range(4)]
     out = generate(model, prompts, SamplingParams(max_new_tokens=10), eos_ids=[1], pad_id=0, seeds=range(12))
     logp, _ = score(model, out)
-    assert trainer._layer_calls == [2] * len(groups)  # the prompt call and the completion call
+    # the final norm once (the head reads all rows together), each layer twice: prompt call, completion call
+    assert trainer._group_calls == [1, *[2] * len(model.model.layers), 0]
     (logp * torch.linspace(-1, 1, logp.shape[1])).sum().backward()
-    assert list(taken) == list(range(len(groups))) and trainer._layer_calls == [0] * len(groups)
-    for group, layer in enumerate(groups):
-        final = [p.grad for p in layer.parameters()]
+    assert list(taken) == list(range(len(modules))) and trainer._group_calls == [0] * len(groups)
+    for group in range(len(modules)):
+        final = [params[i].grad for i in groups[group]]
         assert any(g is not None for g in final), group
         for now, end in zip(taken[group], final):
             assert (now is None and end is None) or torch.equal(now, end), group
@@ -450,6 +473,39 @@ def test_two_ranks_train_exactly_what_one_process_trains(tmp_path: Path):
     model, _ = _load_any(str(ckpt))
     scales = json.loads((ckpt / "meta.json").read_text())["attention_scales"]
     assert model.model.layers[1].self_attn.k_scale.tolist() == scales["1.k"] != [1.0] * len(scales["1.k"])
+
+
+def untied_arith(folder: Path) -> Path:
+    """tiny-arith with an LM head of its own (the embedding plus noise), as a
+    Hugging Face folder: the built-in policies all tie it."""
+    import dataclasses
+
+    from fp8rl.model import load
+    from fp8rl.model.export import export_hf
+    from fp8rl.model.transformer import Transformer
+
+    model, tokenizer = load("tiny-arith")
+    untied = Transformer(dataclasses.replace(model.config, tie_word_embeddings=False))
+    state = dict(model.state_dict())
+    embedding = state["model.embed_tokens.weight"]
+    state["lm_head.weight"] = embedding + 1e-3 * torch.randn(embedding.shape, generator=torch.Generator().manual_seed(0))
+    untied.load_state_dict(state)
+    return export_hf(untied, tokenizer, folder, dtype=torch.float32)
+
+
+def test_two_ranks_train_an_untied_lm_head_exactly_like_one_process(tmp_path: Path):
+    """An LM head of its own is a group of the streamed gradient sum (with the final
+    norm, passed as soon as the head's backward is done, `backward_groups`): the
+    same bits as one process, the head's weights and AdamW state included."""
+    folder = untied_arith(tmp_path / "untied")
+    extra = ("--model", str(folder))
+    train(tmp_path, "one", 1, extra=extra)
+    train(tmp_path, "two", 2, extra=extra)
+    assert_same_run(tmp_path / "one", tmp_path / "two", 2)  # (step 1 has no reward: step 2 trains)
+    trained = load_file(checkpoint_path(tmp_path / "two", 2) / "model.safetensors")
+    start = load_file(folder / "model.safetensors")
+    assert not torch.equal(trained["lm_head.weight"], start["lm_head.weight"])  # the head was trained
+    assert not torch.equal(trained["lm_head.weight"], trained["model.embed_tokens.weight"])
 
 
 def test_a_damaged_optimizer_shard_is_refused(tmp_path: Path):

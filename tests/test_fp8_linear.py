@@ -319,12 +319,35 @@ def test_linears_of_one_input_share_its_quantization_and_change_no_bit(flow_name
     assert seen == hooked
 
 
+# (backend, flow): the FP8 forward's stacked GEMM and the BF16 forward's, on the FP32 emulation
+# and on the native BF16 GEMM (emulated by oneDNN where the CPU has no BF16 units: slow, same code).
+STACKED_CASES = [("cpu", "jet"), ("cpu", "bf16"), ("amx", "jet"), ("amx", "bf16")]
+MEASUREMENTS = ("_group_gemm_exact", "_native_group_exact")
+
+
+def _single_gemms(monkeypatch, backend: str) -> list[int]:
+    """A list that grows by one at every one-linear forward GEMM of ``backend`` from here on."""
+    from fp8rl.fp8 import backends as fb
+
+    calls: list[int] = []
+    cls = type(fb.get_backend(backend))
+    for name in ("fp8_linear", "bf16_matmul"):
+        real = getattr(cls, name)
+        monkeypatch.setattr(cls, name, lambda self, *a, _real=real, **k: (calls.append(1), _real(self, *a, **k))[1])
+    return calls
+
+
+@pytest.mark.parametrize("backend,flow", STACKED_CASES)
 @pytest.mark.parametrize("grad", [False, True])
-def test_linears_of_one_input_take_one_stacked_gemm_where_measured_to_change_no_bit(grad: bool, monkeypatch):
-    """On `cpu`, q/k/v-like linears of one input get their GEMMs from one stacked call
-    (`fp8_linear_group`) exactly where `_group_gemm_exact` measured that to give each
-    layer its own call's bits on this CPU, and then the bits of one call per layer,
-    outputs and gradients; with the measurement forced to fail, one call per layer."""
+def test_linears_of_one_input_take_one_stacked_gemm_where_measured_to_change_no_bit(
+    grad: bool, backend: str, flow: str, monkeypatch
+):
+    """q/k/v-like linears of one input get their forward GEMMs from one stacked call
+    (`fp8_linear_group` for an FP8 forward, `bf16_linear_group` for a BF16 one) exactly
+    where the backend's measurement (`_group_gemm_exact` on `cpu`, `_native_group_exact`
+    on `amx`) found that to give each layer its own call's bits on this CPU, and then the
+    bits of one call per layer, outputs and gradients; with the measurement forced to
+    fail, one call per layer."""
     from fp8rl.fp8 import backends as fb
     from fp8rl.fp8.linear import linears_of_one_input
 
@@ -333,12 +356,11 @@ def test_linears_of_one_input_take_one_stacked_gemm_where_measured_to_change_no_
     lins = [nn.Linear(K, n, bias=False) for n in ns]
     x = torch.randn(*T_SHAPE, K, generator=g)
     dys = [torch.randn(*T_SHAPE, n, generator=g) for n in ns]
-    single = []
-    real = fb.CPUBackend.fp8_linear
-    monkeypatch.setattr(fb.CPUBackend, "fp8_linear", lambda self, *a: (single.append(1), real(self, *a))[1])
+    single = _single_gemms(monkeypatch, backend)
+    layer_plan = resolve_plan(PRESETS[flow], backend).linear["train"]
 
     def run_layers(stacked: bool):
-        layers = [FP8Linear.from_linear(lin, plan("jet")) for lin in lins]
+        layers = [FP8Linear.from_linear(lin, layer_plan) for lin in lins]
         for layer in layers:
             layer.weight.grad = None
         xa = x.clone().requires_grad_(grad)
@@ -351,34 +373,45 @@ def test_linears_of_one_input_take_one_stacked_gemm_where_measured_to_change_no_
             return ys, n_single, [xa.grad] + [layer.weight.grad.clone() for layer in layers]
         return ys, n_single, []
 
-    exact = fb._group_gemm_exact(128, K, ns)
+    exact = fb._native_group_exact(K, ns) if backend == "amx" else fb._group_gemm_exact(128, K, ns)
     ys_one, n_one, grads_one = run_layers(stacked=False)
     ys, n_stacked, grads = run_layers(stacked=True)
     assert n_one == 3 and n_stacked == (0 if exact else 3), exact
     assert all(torch.equal(a, b) for a, b in zip(ys_one, ys))
     assert all(torch.equal(a, b) for a, b in zip(grads_one, grads))
-    monkeypatch.setattr(fb, "_group_gemm_exact", lambda *a: False)
+    for name in MEASUREMENTS:
+        monkeypatch.setattr(fb, name, lambda *a: False)
     ys, n_forced, grads = run_layers(stacked=True)
     assert n_forced == 3
     assert all(torch.equal(a, b) for a, b in zip(ys_one, ys))
     assert all(torch.equal(a, b) for a, b in zip(grads_one, grads))
 
 
-def test_a_requantized_weight_is_freed_at_once_after_a_stacked_gemm():
-    """The stacked weight blocks of `fp8_linear_group` live in the first weight's cache; they
-    must not form a reference cycle with it, or every optimizer step's quantized weights
-    (and their FP32 blocks) would stay in memory until Python's cyclic collector ran
-    (a default run's peak memory grew 0.65 -> 0.83 GB that way)."""
+@pytest.mark.parametrize("backend,flow", STACKED_CASES)
+def test_a_requantized_weight_is_freed_at_once_after_a_stacked_gemm(backend: str, flow: str, monkeypatch):
+    """The stacked weights of `fp8_linear_group` / `bf16_linear_group` live in the first
+    weight's cache; they must not form a reference cycle with it, or every optimizer
+    step's weight forms (and their stacks) would stay in memory until Python's cyclic
+    collector ran (a default run's peak memory grew 0.65 -> 0.83 GB that way). The
+    stacked call is forced here (the measurement stubbed to say yes) so that the test
+    does not depend on this CPU's BLAS."""
     import gc
     import weakref
 
+    from fp8rl.fp8 import backends as fb
     from fp8rl.fp8.linear import linears_of_one_input
 
-    layers = [FP8Linear.from_linear(nn.Linear(K, n, bias=False), plan("jet")) for n in (N, 128)]
+    for name in MEASUREMENTS:
+        monkeypatch.setattr(fb, name, lambda *a: True)
+    single = _single_gemms(monkeypatch, backend)
+    layer_plan = resolve_plan(PRESETS[flow], backend).linear["train"]
+    form = "qweight" if layer_plan.fprop == "fp8" else "weight_bf16"
+    layers = [FP8Linear.from_linear(nn.Linear(K, n, bias=False), layer_plan) for n in (N, 128)]
     x = torch.randn(4, K)
     with torch.no_grad():
         linears_of_one_input(x, layers)
-        old = [weakref.ref(layer.qweight) for layer in layers]
+        assert single == []  # the stacked call ran
+        old = [weakref.ref(getattr(layer, form)) for layer in layers]
         gc.disable()
         try:
             for layer in layers:

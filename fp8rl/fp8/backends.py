@@ -15,8 +15,10 @@ A backend owns the arithmetic of the flows (docs/design.md section 3):
   to 1x128 blocks then ``fp8_matmul`` (a backend may keep the quantized input in
   the form its GEMM multiplies); linears of one input (q/k/v, gate/up) share ``xq``,
   and ``fp8_linear_group(xq, ws)`` makes their GEMMs in one call where a backend has
-  one measured to give each weight's own bits (``cpu``), else None.
-- ``bf16_matmul(a, b)``: the BF16 GEMM of the flows' BF16 steps, ``a @ b.T``.
+  one measured to give each weight's own bits (``cpu``, ``amx``), else None.
+- ``bf16_matmul(a, b)``: the BF16 GEMM of the flows' BF16 steps, ``a @ b.T``;
+  ``bf16_linear_group(x, ws, cache)`` the BF16 forwards of one input in one call,
+  the same way.
 - ``head_logits`` / ``head_grads``: the LM head (BF16 operands) and its gradient.
 - ``attention_scores`` / ``attention_values``: the two attention products.
 - ``router_logits``: the FP32 product of a mixture-of-experts router (and gate).
@@ -48,7 +50,7 @@ import torch
 import torch.nn as nn
 
 from fp8rl.fp8.formats import AMAX_FLOOR
-from fp8rl.fp8.quant import QTensor, dequantize, fp8_to_float, quantize, quantize_dequantize
+from fp8rl.fp8.quant import DerivedCache, QTensor, dequantize, fp8_to_float, quantize, quantize_dequantize
 
 # --- shared pieces ---------------------------------------------------------------------
 
@@ -379,6 +381,45 @@ def _group_gemm_exact(bk: int, k: int, ns: tuple[int, ...]) -> bool:
     return True
 
 
+def _stacked_once(
+    cache: dict, key: str, others: Sequence[object], make: Callable[[], torch.Tensor]
+) -> tuple[torch.Tensor, dict]:
+    """The stacked form of a group of weights (``make()``) and a cache dict of its own,
+    kept in ``cache`` (the first weight's) with the other weights it was made of and
+    made again when one of them is another object (requantized). The first weight
+    itself is not kept there: a reference cycle would hold every optimizer step's
+    weights until Python's cyclic garbage collector ran."""
+    made = cache.get(key)
+    if made is None or len(made[0]) != len(others) or any(a is not b for a, b in zip(made[0], others)):
+        made = (tuple(others), make(), DerivedCache())
+        cache[key] = made
+    return made[1], made[2]
+
+
+@functools.lru_cache(maxsize=None)
+def _native_group_exact(k: int, ns: tuple[int, ...]) -> bool:
+    """Whether ``_native_rows`` on BF16 weights of ``ns`` outputs stacked along N gives
+    every weight's columns the bits of that weight's own call, measured once per
+    shape on this CPU like ``_group_gemm_exact`` (order-sensitive data; the row counts
+    of a decode step, every row tile of the stack and of each weight, and a long
+    input). oneDNN sums each output over K in an order it picks from the shape, so
+    this is measured, not assumed; where it holds, the q/k/v and gate/up GEMMs of a
+    layer are one call each (one kernel launch and one pass of Python instead of
+    three or two)."""
+    g = torch.Generator().manual_seed(k * 100_003 + sum(ns) * 7 + len(ns) + 1)
+    ws = [order_sensitive_cols(n, k, g).bfloat16() for n in ns]
+    stacked, stacked_cache = torch.cat(ws), {}
+    caches: list[dict] = [{} for _ in ws]
+    tiles = [_native_row_tiles(k, n) for n in (sum(ns), *ns)]
+    rows = {1, 3, 2 * tiles[0].big + 5, *(t for tile in tiles for t in tile.sizes)}
+    for m in sorted(rows):
+        x = order_sensitive_rows(m, k, g)
+        alone = torch.cat([_native_rows(x, w, True, c) for w, c in zip(ws, caches)], dim=1)
+        if not torch.equal(_native_rows(x, stacked, True, stacked_cache), alone):
+            return False
+    return True
+
+
 def _tiled_rows(
     a: torch.Tensor, tiles: RowTiles, gemm: Callable[[torch.Tensor], torch.Tensor], out_dtype: torch.dtype | None = None
 ) -> torch.Tensor:
@@ -544,6 +585,13 @@ class Backend:
             cache["fp32_blocks"] = _k_blocks(b.bfloat16().float(), self.bk)
         return _accumulate_k_blocks(a.bfloat16().float(), cache["fp32_blocks"], self.bk)
 
+    def bf16_linear_group(self, x: torch.Tensor, ws: Sequence[torch.Tensor], cache: dict) -> list[torch.Tensor] | None:
+        """The BF16 forward GEMMs of several linears of one input in one call:
+        ``[bf16_matmul(x, w, cache_of_w) for w in ws]``, the same bits, or None as for
+        ``fp8_linear_group``. ``cache``: a dict owned by ``ws[0]``, emptied when it
+        changes. Default: None."""
+        return None
+
     def head_logits(self, h: torch.Tensor, w: torch.Tensor, cache: dict) -> torch.Tensor:
         """LM-head logits ``h [N, D] @ w [V, D].T`` on BF16 operands -> FP32, batch-invariant."""
         return self.bf16_matmul(h, w, cache)
@@ -691,13 +739,22 @@ class CPUBackend(Backend):
         bk, ns = ws[0].block[1], tuple(w.shape[0] for w in ws)
         if len(ws) < 2 or any(w.block[1] != bk for w in ws) or not _group_gemm_exact(bk, xq.shape[-1], ns):
             return None
-        # Kept by the first weight with the others it was made with (not the first itself: a
-        # reference cycle would keep every step's weights until the cyclic garbage collector ran).
-        made = ws[0].cache.get("cpu_group")
-        if made is None or len(made[0]) != len(ws) - 1 or any(a is not b for a, b in zip(made[0], ws[1:])):
-            made = (tuple(ws[1:]), _stacked_blocks([self._weight_blocks(w) for w in ws]))
-            ws[0].cache["cpu_group"] = made
-        return list(_accumulate_k_blocks(xq, made[1], bk).split(ns, dim=1))
+        blocks, _ = _stacked_once(
+            ws[0].cache, "cpu_group", ws[1:], lambda: _stacked_blocks([self._weight_blocks(w) for w in ws])
+        )
+        return list(_accumulate_k_blocks(xq, blocks, bk).split(ns, dim=1))
+
+    def bf16_linear_group(self, x: torch.Tensor, ws: Sequence[torch.Tensor], cache: dict) -> list[torch.Tensor] | None:
+        """``bf16_matmul``'s K-block GEMMs (the emulation of the base class) on the BF16
+        weights stacked along N, where ``_group_gemm_exact`` measured that to give each
+        weight's own bits: the arithmetic of ``fp8_linear_group`` on other values."""
+        ns = tuple(w.shape[0] for w in ws)
+        if len(ws) < 2 or not _group_gemm_exact(self.bk, x.shape[-1], ns):
+            return None
+        blocks, _ = _stacked_once(
+            cache, "cpu_group", ws[1:], lambda: _stacked_blocks([_k_blocks(w.bfloat16().float(), self.bk) for w in ws])
+        )
+        return list(_accumulate_k_blocks(x.bfloat16().float(), blocks, self.bk).split(ns, dim=1))
 
     @staticmethod
     def _weight_blocks(b: QTensor) -> list[torch.Tensor]:
@@ -722,9 +779,7 @@ class AMXBackend(Backend):
     batch_invariant = True
 
     def fp8_matmul(self, a: QTensor, b: QTensor, out_dtype: torch.dtype, invariant: bool = True) -> torch.Tensor:
-        if "amx_w" not in b.cache:  # the weight side: dequantized once per quantization
-            b.cache["amx_w"] = dequantize(b, torch.bfloat16)
-        return _native_rows(dequantize(a), b.cache["amx_w"], invariant, b.cache).to(out_dtype)
+        return _native_rows(dequantize(a), self._bf16_form(b), invariant, b.cache).to(out_dtype)
 
     def linear_input(
         self, x: torch.Tensor, bk: int, scale_fmt: str, name: str, amax_floor: float = AMAX_FLOOR
@@ -734,14 +789,36 @@ class AMXBackend(Backend):
 
     def fp8_linear(self, xq: torch.Tensor, w: QTensor) -> torch.Tensor:
         """The dequantized input into the native GEMM."""
-        if "amx_w" not in w.cache:
-            w.cache["amx_w"] = dequantize(w, torch.bfloat16)
-        return _native_rows(xq, w.cache["amx_w"], True, w.cache)
+        return _native_rows(xq, self._bf16_form(w), True, w.cache)
 
     def bf16_matmul(self, a: torch.Tensor, b: torch.Tensor, cache: dict, invariant: bool = True) -> torch.Tensor:
         if "amx_w" not in cache:
             cache["amx_w"] = b.bfloat16()
         return _native_rows(a, cache["amx_w"], invariant, cache)
+
+    def fp8_linear_group(self, xq: torch.Tensor, ws: Sequence[QTensor]) -> list[torch.Tensor] | None:
+        """The weights' BF16 forms stacked along N in one native GEMM, where
+        ``_native_group_exact`` measured that to give each weight's own bits."""
+        ns = tuple(w.shape[0] for w in ws)
+        if len(ws) < 2 or not _native_group_exact(xq.shape[-1], ns):
+            return None
+        stacked, cache = _stacked_once(ws[0].cache, "amx_group", ws[1:], lambda: torch.cat([self._bf16_form(w) for w in ws]))
+        return list(_native_rows(xq, stacked, True, cache).split(ns, dim=1))
+
+    def bf16_linear_group(self, x: torch.Tensor, ws: Sequence[torch.Tensor], cache: dict) -> list[torch.Tensor] | None:
+        """The BF16 weights stacked along N in one native GEMM, as ``fp8_linear_group``."""
+        ns = tuple(w.shape[0] for w in ws)
+        if len(ws) < 2 or not _native_group_exact(x.shape[-1], ns):
+            return None
+        stacked, stacked_cache = _stacked_once(cache, "amx_group", ws[1:], lambda: torch.cat([w.bfloat16() for w in ws]))
+        return list(_native_rows(x, stacked, True, stacked_cache).split(ns, dim=1))
+
+    @staticmethod
+    def _bf16_form(w: QTensor) -> torch.Tensor:
+        """The weight dequantized to BF16 (exact for E4M3 data with ue8m0 scales), once per quantization."""
+        if "amx_w" not in w.cache:
+            w.cache["amx_w"] = dequantize(w, torch.bfloat16)
+        return w.cache["amx_w"]
 
     def head_grads(
         self, grad: torch.Tensor, h: torch.Tensor, w: torch.Tensor, need_dh: bool, need_dw: bool

@@ -278,6 +278,13 @@ class FP8Linear(nn.Module):
         p = self.plan
         return None if p.fprop != "fp8" else (p.backend.name, p.scale_fmt, p.input_amax_floor)
 
+    def group_key(self) -> tuple:
+        """Linears of one input with equal keys share work in ``linears_of_one_input``:
+        FP8 forwards the input's quantization (``input_key``) and a stacked GEMM, BF16
+        forwards of one backend a stacked GEMM."""
+        key = self.input_key()
+        return ("fp8", *key) if key is not None else ("bf16", self.plan.backend.name)
+
     def quantized_input(self, x: torch.Tensor) -> QTensor | torch.Tensor:
         """``x`` ``[..., K]`` quantized as this layer's FP8 forward would, for ``forward(x, xq)``
         of the linears with the same ``input_key`` (values only: no graph)."""
@@ -311,25 +318,33 @@ def linears_of_one_input(x: torch.Tensor, layers: Sequence[nn.Module]) -> list[t
     (q/k/v, gate/up): one quantization per input instead of one per linear,
     the most frequent small work of a decode step; and their GEMMs in one
     stacked call where the backend has one measured to give each layer's bits
-    (``Backend.fp8_linear_group``). Every layer is still called as a module
-    (its hooks run; a layer with a forward pre-hook, which may change its input,
-    gets its own GEMM). Other modules (an ``nn.Linear``, a BF16 forward) are
+    (``Backend.fp8_linear_group``; ``Backend.bf16_linear_group`` for FP8Linears
+    with a BF16 forward, which share the stacked GEMM only). Every layer is still
+    called as a module (its hooks run; a layer with a forward pre-hook, which may
+    change its input, gets its own GEMM). Other modules (an ``nn.Linear``) are
     called as they are."""
-    groups: dict[tuple, list[int]] = {}  # input_key -> positions of the layers that share it
+    groups: dict[tuple, list[int]] = {}  # group_key -> positions of the layers that share it
     for i, layer in enumerate(layers):
-        key = layer.input_key() if isinstance(layer, FP8Linear) else None
-        if key is not None:
-            groups.setdefault(key, []).append(i)
-    shared: dict[int, tuple[QTensor | torch.Tensor, torch.Tensor | None]] = {}  # position -> (xq, product)
+        if isinstance(layer, FP8Linear):
+            groups.setdefault(layer.group_key(), []).append(i)
+    shared: dict[int, tuple[QTensor | torch.Tensor | None, torch.Tensor | None]] = {}  # position -> (xq, product)
     for members in groups.values():
         first = layers[members[0]]
-        xq = first.quantized_input(x)
+        fp8 = first.plan.fprop == "fp8"
+        xq = first.quantized_input(x) if fp8 else None
         products: list[torch.Tensor] | None = None
         if len(members) > 1 and not any(layers[i]._forward_pre_hooks for i in members):
             for i in members:
                 layers[i].ensure_fresh()
+            backend = first.plan.backend
             with torch.no_grad():
-                products = first.plan.backend.fp8_linear_group(xq, [layers[i].qweight for i in members])
+                if fp8:
+                    products = backend.fp8_linear_group(xq, [layers[i].qweight for i in members])
+                else:
+                    products = backend.bf16_linear_group(
+                        x.detach().reshape(-1, x.shape[-1]), [layers[i].weight_bf16 for i in members],
+                        first._bf16_caches[0],
+                    )
         for j, i in enumerate(members):
             shared[i] = (xq, None if products is None else products[j])
     return [layer(x, *shared[i]) if i in shared else layer(x) for i, layer in enumerate(layers)]

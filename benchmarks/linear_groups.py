@@ -11,10 +11,12 @@ flow in one process, for `--rounds` rounds of:
   sampled tokens' log-probs; its gradient reaches every weight);
 
 and checks that both ways give the same bits: the rollout's tokens and log-probs, the
-training forward's log-probs and every weight's gradient.
+training forward's log-probs and every weight's gradient. `--peak-memory` adds, per flow and
+way, the peak resident memory (`ru_maxrss`) of a fresh process that runs only the rollouts.
 
     python benchmarks/linear_groups.py                                  # SmolLM2-135M, bf16 and jet, 16 x 64
     python benchmarks/linear_groups.py --model tiny-arith --batch 128 --max-new-tokens 48
+    python benchmarks/linear_groups.py --peak-memory --rounds 1
 
 Prints one JSON object on stdout and a table on stderr.
 """
@@ -23,7 +25,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
+import subprocess
 import sys
 import time
 
@@ -98,6 +102,25 @@ def compare(src: str, flow: str, batch: int, max_new: int, rounds: int) -> dict:
             "same_bits": same}
 
 
+def peak_memory_mb(src: str, flow: str, batch: int, max_new: int, stacked: bool) -> float:
+    """ru_maxrss (MB) of a fresh process of this script that runs `--rounds`-like rollouts only."""
+    cmd = [sys.executable, __file__, "--model", src, "--flows", flow, "--batch", str(batch),
+           "--max-new-tokens", str(max_new), "--rollouts-only", "1" if stacked else "0"]
+    return float(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.split()[-1])
+
+
+def rollouts_only(src: str, flow: str, batch: int, max_new: int, stacked: bool) -> float:
+    """Four rollouts one way, then this process's peak resident memory in MB."""
+    stacked_gemms(stacked)
+    model, tok = load(src)
+    apply_flow(model, PRESETS[flow], backend="auto")
+    prompts = encode_prompts(tok, [p.question for p in make_task("arith").test_problems(batch)])
+    for _ in range(4):
+        generate(model, prompts, SamplingParams(max_new_tokens=max_new), eos_ids=[], pad_id=tok.pad_token_id,
+                 seeds=list(range(batch)))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -105,8 +128,20 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--peak-memory", action="store_true", help="also each way's peak memory, in fresh processes")
+    ap.add_argument("--rollouts-only", choices=("0", "1"), help=argparse.SUPPRESS)  # the --peak-memory child
     args = ap.parse_args()
-    rows = [compare(args.model, f, args.batch, args.max_new_tokens, args.rounds) for f in args.flows.split(",")]
+    if args.rollouts_only is not None:
+        print(rollouts_only(args.model, args.flows, args.batch, args.max_new_tokens, args.rollouts_only == "1"))
+        return 0
+    flows = args.flows.split(",")
+    # Before this process holds a model: a child's ru_maxrss starts from its parent's resident size at fork.
+    peaks = {f: {key: peak_memory_mb(args.model, f, args.batch, args.max_new_tokens, on)
+                 for key, on in (("separate", False), ("stacked", True))} for f in flows if args.peak_memory}
+    rows = [compare(args.model, f, args.batch, args.max_new_tokens, args.rounds) for f in flows]
+    for r in rows:
+        if r["flow"] in peaks:
+            r["peak_mb"] = peaks[r["flow"]]
     report = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__, "results": rows}
     print(json.dumps(report, indent=2))
     print(f"{report['cpu']}, {report['threads']} threads, {args.model}, {args.batch} x {args.max_new_tokens}", file=sys.stderr)
@@ -117,6 +152,9 @@ def main() -> int:
                   f"  train forward+backward s {', '.join(f'{v:.2f}' for v in r['train_s'][key])}", file=sys.stderr)
         print(f"  stacked vs separate, median of the rounds: rollout {r['rollout_speedup_median']:.2f}x, "
               f"training {r['train_speedup_median']:.2f}x", file=sys.stderr)
+        if "peak_mb" in r:
+            print(f"  peak memory of the rollouts alone: separate {r['peak_mb']['separate']:.0f} MB, "
+                  f"stacked {r['peak_mb']['stacked']:.0f} MB", file=sys.stderr)
     return 0
 
 

@@ -381,19 +381,42 @@ def _group_gemm_exact(bk: int, k: int, ns: tuple[int, ...]) -> bool:
     return True
 
 
-def _stacked_once(
-    cache: dict, key: str, others: Sequence[object], make: Callable[[], torch.Tensor]
-) -> tuple[torch.Tensor, dict]:
-    """The stacked form of a group of weights (``make()``) and a cache dict of its own,
-    kept in ``cache`` (the first weight's) with the other weights it was made of and
-    made again when one of them is another object (requantized). The first weight
-    itself is not kept there: a reference cycle would hold every optimizer step's
-    weights until Python's cyclic garbage collector ran."""
+def _stacked_once(cache: dict, key: str, others: Sequence[object], make: Callable[[], object]) -> object:
+    """The stacked form of a group of weights (``make()``), kept in ``cache`` (the first
+    weight's) with the other weights it was made of and made again when one of them
+    is another object (requantized). The first weight itself is not kept there: a
+    reference cycle would hold every optimizer step's weights until Python's cyclic
+    garbage collector ran."""
     made = cache.get(key)
     if made is None or len(made[0]) != len(others) or any(a is not b for a, b in zip(made[0], others)):
-        made = (tuple(others), make(), DerivedCache())
+        made = (tuple(others), make())
         cache[key] = made
-    return made[1], made[2]
+    return made[1]
+
+
+def _packed_stack(weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor, DerivedCache]:
+    """BF16 weights ``[N_i, K]`` stacked along N for ``_native_rows``: a stand-in of the
+    stack's shape that holds no memory, and the cache with the GEMM's own form of the
+    stack (``_row_gemm``'s packed or transposed copy), which is all a forward call reads.
+    Keeping the stack itself would hold those weights once more (SmolLM2-135M: 140 MB)."""
+    stacked, cache = torch.cat(list(weights)), DerivedCache()
+    _row_gemm(stacked, cache)
+    return torch.zeros((), dtype=stacked.dtype, device=stacked.device).expand(stacked.shape), cache
+
+
+
+def _native_group(
+    x: torch.Tensor, ws: Sequence[QTensor | torch.Tensor], cache: dict, bf16_weights: Callable[[], list[torch.Tensor]]
+) -> list[torch.Tensor] | None:
+    """``amx``'s stacked forward GEMM of the linears of one input: ``x [T, K]`` times the
+    BF16 weights ``bf16_weights()`` (made only when the stack is made) stacked along N,
+    packed once and kept in ``cache`` (the first weight's), split back per weight; None
+    where ``_native_group_exact`` did not measure that to give each weight its own bits."""
+    ns = tuple(w.shape[0] for w in ws)
+    if len(ws) < 2 or not _native_group_exact(x.shape[-1], ns):
+        return None
+    stacked, stacked_cache = _stacked_once(cache, "amx_group", ws[1:], lambda: _packed_stack(bf16_weights()))
+    return list(_native_rows(x, stacked, True, stacked_cache).split(ns, dim=1))
 
 
 @functools.lru_cache(maxsize=None)
@@ -739,7 +762,7 @@ class CPUBackend(Backend):
         bk, ns = ws[0].block[1], tuple(w.shape[0] for w in ws)
         if len(ws) < 2 or any(w.block[1] != bk for w in ws) or not _group_gemm_exact(bk, xq.shape[-1], ns):
             return None
-        blocks, _ = _stacked_once(
+        blocks = _stacked_once(
             ws[0].cache, "cpu_group", ws[1:], lambda: _stacked_blocks([self._weight_blocks(w) for w in ws])
         )
         return list(_accumulate_k_blocks(xq, blocks, bk).split(ns, dim=1))
@@ -751,7 +774,7 @@ class CPUBackend(Backend):
         ns = tuple(w.shape[0] for w in ws)
         if len(ws) < 2 or not _group_gemm_exact(self.bk, x.shape[-1], ns):
             return None
-        blocks, _ = _stacked_once(
+        blocks = _stacked_once(
             cache, "cpu_group", ws[1:], lambda: _stacked_blocks([_k_blocks(w.bfloat16().float(), self.bk) for w in ws])
         )
         return list(_accumulate_k_blocks(x.bfloat16().float(), blocks, self.bk).split(ns, dim=1))
@@ -797,21 +820,13 @@ class AMXBackend(Backend):
         return _native_rows(a, cache["amx_w"], invariant, cache)
 
     def fp8_linear_group(self, xq: torch.Tensor, ws: Sequence[QTensor]) -> list[torch.Tensor] | None:
-        """The weights' BF16 forms stacked along N in one native GEMM, where
-        ``_native_group_exact`` measured that to give each weight's own bits."""
-        ns = tuple(w.shape[0] for w in ws)
-        if len(ws) < 2 or not _native_group_exact(xq.shape[-1], ns):
-            return None
-        stacked, cache = _stacked_once(ws[0].cache, "amx_group", ws[1:], lambda: torch.cat([self._bf16_form(w) for w in ws]))
-        return list(_native_rows(xq, stacked, True, cache).split(ns, dim=1))
+        """The weights' BF16 forms stacked along N in one native GEMM (``_native_group``),
+        dequantized for the stack only: no per-weight BF16 form is kept for the forward."""
+        return _native_group(xq, ws, ws[0].cache, lambda: [dequantize(w, torch.bfloat16) for w in ws])
 
     def bf16_linear_group(self, x: torch.Tensor, ws: Sequence[torch.Tensor], cache: dict) -> list[torch.Tensor] | None:
-        """The BF16 weights stacked along N in one native GEMM, as ``fp8_linear_group``."""
-        ns = tuple(w.shape[0] for w in ws)
-        if len(ws) < 2 or not _native_group_exact(x.shape[-1], ns):
-            return None
-        stacked, stacked_cache = _stacked_once(cache, "amx_group", ws[1:], lambda: torch.cat([w.bfloat16() for w in ws]))
-        return list(_native_rows(x, stacked, True, stacked_cache).split(ns, dim=1))
+        """The BF16 weights stacked along N in one native GEMM (``_native_group``)."""
+        return _native_group(x, ws, cache, lambda: [w.bfloat16() for w in ws])
 
     @staticmethod
     def _bf16_form(w: QTensor) -> torch.Tensor:

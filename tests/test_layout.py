@@ -4,6 +4,8 @@ backend names are compared (docs/design.md section 3), checked on the source."""
 from __future__ import annotations
 
 import ast
+import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -79,3 +81,28 @@ def test_no_backend_name_comparison_outside_the_registry():
     assert {f: lines for f, lines in offenders.items() if lines} == {}
     # ...and the check can fail: backends.py compares device types named like a backend
     assert backend_name_comparisons(PACKAGE / "fp8" / "backends.py")
+
+
+BENCHMARKS = PACKAGE.parent / "benchmarks"
+
+
+def shadowed_modules(folder: Path) -> list[str]:
+    """The scripts of ``folder`` whose name is also an installed top-level module.
+
+    ``python benchmarks/x.py`` puts ``benchmarks/`` first on ``sys.path``, so a
+    script named like a package that a dependency imports replaces it there: a
+    ``benchmarks/kernels.py`` made every transformers import fail (transformers 5
+    requires Hugging Face's ``kernels`` package and imports it at start-up)."""
+    return sorted(p.stem for p in folder.glob("*.py")
+                  if p.stem in sys.stdlib_module_names or importlib.util.find_spec(p.stem) is not None)
+
+
+def test_no_benchmark_script_shadows_an_installed_module():
+    assert str(BENCHMARKS) not in sys.path  # else find_spec would find the scripts themselves
+    assert shadowed_modules(BENCHMARKS) == []
+
+
+def test_the_shadowing_check_sees_a_shadowing_script(tmp_path: Path):
+    for name in ("pytest", "json", "surely_no_such_module_here"):
+        (tmp_path / f"{name}.py").write_text("")
+    assert shadowed_modules(tmp_path) == ["json", "pytest"]

@@ -9,7 +9,7 @@ tests/test_fp8_quant.py compare the two paths on every kind of block, scale
 format and floor). The same goes for the weights' 2-D blocks, quantized once per
 optimizer step (``quantize_blocks``), and for their dequantization to FP32 or BF16
 (``dequantize_blocks``): SmolLM2-135M's 210 FP8 weights in about 0.27 s instead of
-0.52-0.72 s here (benchmarks/kernels.py).
+0.52-0.72 s here (benchmarks/compiled_quant.py).
 
 The kernels are optional. ``library()`` builds ``kernels.c`` once per machine
 with the system C compiler (``$CC``, else ``cc``, ``gcc`` or ``clang``) into a cache

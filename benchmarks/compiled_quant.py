@@ -14,9 +14,9 @@ runs with `FP8RL_KERNELS=0`, or where no C compiler is):
 - with `--default-runs N`: N pairs of `fp8rl train --config configs/default.toml`, torch path
   then compiled, each in a fresh process, with their metrics compared line for line.
 
-    python benchmarks/kernels.py                                    # tiny-arith and SmolLM2, 16 rows
-    python benchmarks/kernels.py --models smollm2-135m-instruct --rows 64 --rounds 6
-    python benchmarks/kernels.py --models '' --default-runs 2       # the default run, 2 pairs (~6 min)
+    python benchmarks/compiled_quant.py                                    # tiny-arith and SmolLM2, 16 rows
+    python benchmarks/compiled_quant.py --models smollm2-135m-instruct --rows 64 --rounds 6
+    python benchmarks/compiled_quant.py --models '' --default-runs 2       # the default run, 2 pairs (~6 min)
 
 Prints one JSON object on stdout and tables on stderr.
 """

@@ -30,6 +30,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from fp8rl.allocator import keep_freed_memory
 from fp8rl.model.load import load
 from fp8rl.model.transformer import make_context
 from fp8rl.precision import apply_flow, refresh_weights
@@ -97,6 +98,7 @@ def main() -> int:
                     help="print the N ops of each profiled step with the most self time, per input shapes")
     ap.add_argument("--forward", default="64x68", metavar="ROWSxTOKENS", help="the training-phase forward timed too")
     args = ap.parse_args()
+    keep_freed_memory()  # as the fp8rl CLI runs (fp8rl/allocator.py); for every engine in this process
     model, _ = load(args.model)
     backend = apply_flow(model, args.flow, args.backend).backend
     refresh_weights(model)

@@ -40,6 +40,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.flop_counter import FlopCounterMode
 
+from fp8rl.allocator import keep_freed_memory
 from fp8rl.config import load_config, parse_override
 from fp8rl.train import Trainer
 
@@ -122,6 +123,7 @@ def main() -> int:
     ap.add_argument("--shapes", action="store_true", help="list the ops per input shapes")
     ap.add_argument("--steps", type=int, default=1, help="steps timed without the profiler")
     args = ap.parse_args()
+    keep_freed_memory()  # as the fp8rl CLI runs (fp8rl/allocator.py); for every engine in this process
     overrides = dict(parse_override(s) for s in args.set)
     with tempfile.TemporaryDirectory() as tmp:
         overrides.update({"out": str(Path(tmp) / "run"), "eval.n": 0, "eval.every": 0, "checkpoint.every": 0})

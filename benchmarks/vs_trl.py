@@ -61,6 +61,7 @@ for _k, _v in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("HF_DATA
 
 import torch
 
+from fp8rl.allocator import keep_freed_memory
 from fp8rl.fp8.backends import BACKENDS, fast_backend, resolve_backend
 
 TARGET_SPEEDUP = 3.0
@@ -460,6 +461,7 @@ def main() -> int:
     ap.add_argument("--no-rollout", action="store_true", help="skip the fixed-length rollout comparison")
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny-arith only, 2 prompts x 2, 8 tokens")
     args = ap.parse_args()
+    keep_freed_memory()  # as the fp8rl CLI runs (fp8rl/allocator.py); for every engine in this process
 
     trl = require_trl()
     if args.threads:

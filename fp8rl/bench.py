@@ -32,7 +32,9 @@ def bench_rollout(
     plan = apply_flow(model, f, backend=backend)
     if f.kv_cache == "fp8" or f.attention == "fp8":
         calibrate(model, *left_pad(prompts, pad_id))
-    generate(model, prompts[:2], SamplingParams(max_new_tokens=2), eos_ids=[], pad_id=pad_id, seeds=[0, 1])
+    # warm-up as benchmarks/vllm_worker.py's: two prompts, the full length (the per-shape measurements
+    # of the decode steps' key prefixes happen once per process, as in a training run)
+    generate(model, prompts[:2], SamplingParams(max_new_tokens=max_new), eos_ids=[], pad_id=pad_id, seeds=[0, 1])
     t0 = time.perf_counter()
     out = generate(model, prompts, SamplingParams(max_new_tokens=max_new), eos_ids=[], pad_id=pad_id,
                    seeds=list(range(len(prompts))))

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from fp8rl.allocator import keep_freed_memory
 from fp8rl.config import CHOICES, RunConfig, default_values, load_config, parse_override
 
 BACKEND_HELP = "GEMM backend: auto (choose_backend's pick) or one of {backends}"
@@ -492,6 +493,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
+    keep_freed_memory()  # fewer page faults, the same bits (fp8rl/allocator.py)
     from fp8rl.distributed import RankLostError
     from fp8rl.train import TrainingError  # imports torch: only once the arguments parse
 

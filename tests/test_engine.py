@@ -173,21 +173,21 @@ class SplitSumBackend(CPUBackend):
 
 
 @pytest.mark.parametrize("flow", ["jet", "jet-kv"])
-def test_decode_steps_read_a_key_prefix_only_where_it_was_measured_exact(flow: str, monkeypatch):
-    """A decode step attends over the first `Transformer.key_slots` key slots, a
-    count `key_prefix_exact` measured to give the bits of all `cache_len` slots,
-    else all of them. On `cpu` every step's count is such a prefix (or L) and
-    holds the step's keys; on a backend whose P @ V sums in an order set by the
-    number of slots, the measurement finds no exact prefix, the steps read all
-    slots, and rollout == training holds on both."""
+def test_steps_read_a_key_prefix_only_where_it_was_measured_exact(flow: str, monkeypatch):
+    """A decode step, and the prefill, attend over the first `Transformer.key_slots`
+    key slots, a count `key_prefix_exact` measured to give the bits of all
+    `cache_len` slots for that many query tokens, else all of them. On `cpu` every
+    step's count is such a prefix (or L) and holds the step's keys; on a backend
+    whose P @ V sums in an order set by the number of slots, the measurement finds
+    no exact prefix, the steps read all slots, and rollout == training holds on both."""
     import fp8rl.rollout.engine as engine
 
     counts: list[tuple[int, int]] = []  # (keys in use, key slots read) per decode step
+    prefills: list[tuple[int, int]] = []  # (prompt slots, key slots read) per prefill
     real = engine.make_context
 
     def recording(pad_left, start, n_tokens, cache_len, *args, **kwargs):
-        if start > 0:  # a decode step
-            counts.append((start + 1, cache_len))
+        (counts.append((start + 1, cache_len)) if start > 0 else prefills.append((n_tokens, cache_len)))
         return real(pad_left, start, n_tokens, cache_len, *args, **kwargs)
 
     monkeypatch.setattr(engine, "make_context", recording)
@@ -198,15 +198,21 @@ def test_decode_steps_read_a_key_prefix_only_where_it_was_measured_exact(flow: s
         if PRESETS[flow].needs_calibration:
             calibrate(model, *left_pad(prompts(), 0))
         counts.clear()
+        prefills.clear()
         out = rollout(model, max_new=40, group=2)
         L = out.cache_len
         c = model.config
         attn_plan = model.model.layers[0].self_attn.attention_plan
-        exact = [p for p in range(16, L, 16) if key_prefix_exact(attn_plan, c.head_dim, L, c.num_heads // c.num_kv_heads, p)]
+        group = c.num_heads // c.num_kv_heads
+        exact = [p for p in range(16, L, 16) if key_prefix_exact(attn_plan, c.head_dim, L, group, p)]
         assert counts and all(live <= read and (read == L or read in exact) for live, read in counts), (counts, exact)
         assert all(read == (-(-live // 16) * 16 if -(-live // 16) * 16 in exact else L) for live, read in counts)
+        P = out.prompt_len
+        prefix = -(-P // 16) * 16
+        assert prefills == [(P, prefix if key_prefix_exact(attn_plan, c.head_dim, L, group, prefix, P) else L)]
         if expect_prefix is False:
             assert exact == [] and all(read == L for _, read in counts), exact
+            assert prefills == [(P, L)]
         with torch.no_grad():
             logp, _ = score(model, out)
         m = out.completion_mask

@@ -246,13 +246,17 @@ KEY_SLOT_STEP = 16
 
 
 @functools.lru_cache(maxsize=None)
-def key_prefix_exact(plan: AttentionPlan, head_dim: int, cache_len: int, group: int, prefix: int) -> bool:
+def key_prefix_exact(
+    plan: AttentionPlan, head_dim: int, cache_len: int, group: int, prefix: int, queries: int = 1
+) -> bool:
     """Whether `attend` over the first `prefix` key slots gives, bit for bit, what it
     gives over all `cache_len` slots, for every count of keys in use that
     `Transformer.key_slots` gives `prefix` for (prefix - KEY_SLOT_STEP + 1 up to
-    prefix; the slots after them blocked): one query token, `group` query heads per
-    KV head, this plan's storage and backend. Measured on the CPU at hand the first
-    time a decode step needs it, like the row tiles (fp8rl/fp8/backends.py): key
+    prefix, at least `queries`; the slots after them blocked): `queries` query tokens
+    in the last slots in use, each attending causally (1: a decode step; a prompt's
+    length: the prefill), `group` query heads per KV head, this plan's storage and
+    backend. Measured on the CPU at hand the first
+    time a step needs it, like the row tiles (fp8rl/fp8/backends.py): key
     slots whose probability is exactly 0 add exact zeros to the softmax sum and to
     the P @ V dot products, but a BLAS kernel chosen from the longer shape can sum
     the rest in another order. Keys and values beyond `prefix` are nonzero here (a
@@ -264,18 +268,19 @@ def key_prefix_exact(plan: AttentionPlan, head_dim: int, cache_len: int, group: 
     failed), V over a wide range of magnitudes (sums that round differently in
     another order). With this data the exact prefixes of 384 slots here came out
     the same for three seeds: 16 to 192."""
-    g = torch.Generator().manual_seed(head_dim * 1009 + cache_len * 17 + group * 7 + prefix)
+    g = torch.Generator().manual_seed(head_dim * 1009 + cache_len * 17 + group * 7 + prefix + (queries - 1) * 31)
 
     def spread(lo: int, hi: int, *shape: int) -> torch.Tensor:  # magnitudes 2**lo .. 2**(hi-1) times N(0, 1)
         return torch.randn(*shape, generator=g) * torch.exp2(torch.randint(lo, hi, shape, generator=g).float())
 
     B, Hkv = 2, 2
-    q = spread(-3, 1, B, Hkv * group, 1, head_dim) * 0.3
+    q = spread(-3, 1, B, Hkv * group, queries, head_dim) * 0.3
     k = spread(-3, 1, B, Hkv, cache_len, head_dim) * 0.3
     v = spread(-8, 9, B, Hkv, cache_len, head_dim)
     slots = torch.arange(cache_len)
-    for live in range(prefix - KEY_SLOT_STEP + 1, prefix + 1):  # the keys in use: the first `live` slots
-        blocked = (slots >= live).expand(B, 1, 1, cache_len)
+    for live in range(max(prefix - KEY_SLOT_STEP + 1, queries), prefix + 1):  # keys in use: the first `live`
+        query_slots = torch.arange(live - queries, live)  # query i sees the keys up to its own slot
+        blocked = (slots[None, :] > query_slots[:, None]).expand(B, 1, queries, cache_len)
         full = attend(q, k, v, blocked, plan)
         part = attend(q, k[:, :, :prefix], v[:, :, :prefix], blocked[..., :prefix].contiguous(), plan)
         if not torch.equal(full, part):
@@ -520,9 +525,10 @@ class Transformer(nn.Module):
         half = sin.shape[-1] // 2
         return emb.cos()[:, None], torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)[:, None]
 
-    def key_slots(self, n_live: int, cache_len: int) -> int:
-        """How many leading key slots a decode step whose keys sit in the first `n_live`
-        slots attends over: the smallest multiple of KEY_SLOT_STEP that holds them
+    def key_slots(self, n_live: int, cache_len: int, queries: int = 1) -> int:
+        """How many leading key slots a step of `queries` new tokens (1: a decode step;
+        the prompt length: the prefill) whose keys sit in the first `n_live` slots
+        attends over: the smallest multiple of KEY_SLOT_STEP that holds them
         where that count was measured to give the bits of all `cache_len` slots for
         such a step (`key_prefix_exact`, every layer's plan), else `cache_len`. (Not
         a longer measured prefix: on a 2-core AMD EPYC with AVX2, 368 of 384 slots gave
@@ -535,7 +541,7 @@ class Transformer(nn.Module):
         c = self.config
         group = c.num_heads // c.num_kv_heads
         plans = {layer.self_attn.attention_plan for layer in self.model.layers}
-        exact = all(key_prefix_exact(p, c.head_dim, cache_len, group, prefix) for p in plans)
+        exact = all(key_prefix_exact(p, c.head_dim, cache_len, group, prefix, queries) for p in plans)
         return prefix if exact else cache_len
 
     def head(self, h: torch.Tensor) -> torch.Tensor:

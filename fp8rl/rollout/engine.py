@@ -344,7 +344,9 @@ def generate(
     # (`benchmarks/decode_step.py --modes no_grad,inference` times both). The outputs (`tokens`,
     # `logprobs`, `mask`) were allocated above, outside it: normal tensors a training forward may use.
     with phase(model, "rollout"), torch.inference_mode():
-        logits = model(tokens[first, :P], make_context(pad_left[first], 0, P, L, cache, routing=routing),
+        # the prompts' keys sit in slots [0, P): the prefill attends over the first `key_slots`
+        keys = model.key_slots(P, L, queries=P)
+        logits = model(tokens[first, :P], make_context(pad_left[first], 0, P, keys, cache, routing=routing),
                        n_last=1)[:, -1]
         if shared is not None:
             of_row = shared[1]

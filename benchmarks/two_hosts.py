@@ -5,8 +5,8 @@ has its own network stack, interface and address (10.231.0.1 and 10.231.0.2), an
 runs one torchrun agent with one rank (`--nnodes 2 --nproc-per-node 1`, a c10d
 rendezvous at host 0's address, gloo bound to the host's interface). Nothing
 between them goes over loopback: the rendezvous, the configuration check, the
-gradient sums and the Q/K/V calibration all cross the veth link, whose byte
-counters say how much. `--rate` caps each direction of the link with a token bucket
+gradient sums (and, under FP8 attention flows, the Q/K/V calibration) all cross the
+veth link, whose byte counters say how much. `--rate` caps each direction of the link with a token bucket
 (`tc qdisc ... tbf`) to look like a network between machines (this kernel has no
 netem, so no added latency).
 
@@ -54,7 +54,7 @@ def sh(*cmd: str) -> str:
 
 def make_hosts(rate: str | None) -> None:
     """The two namespaces, the veth pair between them, addresses, and the link's shape."""
-    (ns0, dev0, _), (ns1, dev1, _) = HOSTS
+    (_, dev0, _), (_, dev1, _) = HOSTS
     for ns, _, _ in HOSTS:
         sh("ip", "netns", "add", ns)
     sh("ip", "link", "add", dev0, "type", "veth", "peer", "name", dev1)
@@ -86,6 +86,10 @@ def train_args(steps: int, flow: str, backend: str, out: Path) -> list[str]:
             "--set", f"checkpoint.every={steps}"]
 
 
+def metric_rows(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
 def summary(rows: list[dict], wall: float) -> dict:
     timed = rows[1:]
     mean = lambda k: sum(r[k] for r in timed) / len(timed)  # noqa: E731
@@ -96,11 +100,12 @@ def summary(rows: list[dict], wall: float) -> dict:
 def one_process(steps: int, flow: str, backend: str, out: Path) -> tuple[list[dict], float]:
     t0 = time.perf_counter()
     subprocess.run([sys.executable, *train_args(steps, flow, backend, out)], check=True, stdout=subprocess.DEVNULL)
-    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()], time.perf_counter() - t0
+    return metric_rows(out), time.perf_counter() - t0
 
 
 def two_hosts(steps: int, flow: str, backend: str, out: Path, timeout: float) -> tuple[list[dict], float]:
-    """One torchrun agent per namespace; both must exit 0 within `timeout` seconds."""
+    """One torchrun agent per namespace; both must exit 0 within `timeout` seconds (else
+    both are killed)."""
     host0 = HOSTS[0][2]
     agents, t0 = [], time.perf_counter()
     for i, (ns, dev, addr) in enumerate(HOSTS):
@@ -108,13 +113,18 @@ def two_hosts(steps: int, flow: str, backend: str, out: Path, timeout: float) ->
         cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
                "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host0}:{PORT}",
                "--rdzv-id", "two-hosts", "--rdzv-conf", f"is_host={i == 0}", "--local-addr", addr,
-               *train_args(steps, flow, backend, out)[1:]]
+               *train_args(steps, flow, backend, out)]
         agents.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-    errors = [agent.communicate(timeout=timeout)[1] for agent in agents]
+    try:
+        errors = [agent.communicate(timeout=max(1.0, t0 + timeout - time.perf_counter()))[1] for agent in agents]
+    except subprocess.TimeoutExpired:
+        for agent in agents:
+            agent.kill()
+        raise SystemExit(f"the two-host run took over {timeout:.0f} s; both agents killed") from None
     wall = time.perf_counter() - t0
     if any(agent.returncode for agent in agents):
         raise SystemExit("a host's torchrun failed:\n" + "\n".join(e[-2000:] for e in errors))
-    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()], wall
+    return metric_rows(out), wall
 
 
 def main() -> None:

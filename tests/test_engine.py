@@ -187,7 +187,10 @@ def test_steps_read_a_key_prefix_only_where_it_was_measured_exact(flow: str, mon
     real = engine.make_context
 
     def recording(pad_left, start, n_tokens, cache_len, *args, **kwargs):
-        (counts.append((start + 1, cache_len)) if start > 0 else prefills.append((n_tokens, cache_len)))
+        if start > 0:
+            counts.append((start + 1, cache_len))
+        else:
+            prefills.append((n_tokens, cache_len))
         return real(pad_left, start, n_tokens, cache_len, *args, **kwargs)
 
     monkeypatch.setattr(engine, "make_context", recording)

@@ -158,10 +158,14 @@ def test_sft_attention_backend_runs_the_training_and_leaves_no_plan_behind(monke
     from fp8rl.sft import run_sft
     from fp8rl.tasks import make_task
 
+    import fp8rl.model.transformer as transformer
+
     cpu = BACKENDS["cpu"]
     calls = []
     original = cpu.attention_scores
     monkeypatch.setattr(cpu, "attention_scores", lambda q, k: calls.append(q.shape) or original(q, k))
+    fused = transformer._fused_forward  # `cpu`'s attention where the compiled kernels load
+    monkeypatch.setattr(transformer, "_fused_forward", lambda q, *a: calls.append(q.shape) or fused(q, *a))
     losses = {}
     for backend in ("reference", "cpu"):
         calls.clear()

@@ -166,6 +166,7 @@ class SplitSumBackend(CPUBackend):
     summation order depends on how many key slots the product gets."""
 
     name = "split-sum-test"
+    fused_attention = False  # its products are what this backend is about
 
     def attention_values(self, p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         h = p.shape[-1] // 2

@@ -562,6 +562,11 @@ class Backend:
     batch_invariant: bool = False
     # K block width of the emulated BF16 GEMM (matches the FP8 recipe's 128).
     bk: int = 128
+    # Attention as kernels.c's fused pass (fp8rl/fp8/kernels.py `attention`) where the compiled
+    # kernels load: decode steps and the training forward run that one arithmetic, row by row,
+    # and a decode reads a BF16 KV cache directly. Elsewhere (and for `reference`, the float64
+    # definition) the products `attention_scores` / `attention_values` around torch's softmax.
+    fused_attention: bool = False
 
     def fp8_matmul(self, a: QTensor, b: QTensor, out_dtype: torch.dtype, invariant: bool = True) -> torch.Tensor:
         """``dequant(a) @ dequant(b).T`` -> ``[M, N]`` in ``out_dtype``; ``b`` is the
@@ -734,6 +739,7 @@ class CPUBackend(Backend):
 
     name = "cpu"
     batch_invariant = True
+    fused_attention = True
 
     def fp8_matmul(self, a: QTensor, b: QTensor, out_dtype: torch.dtype, invariant: bool = True) -> torch.Tensor:
         bk = a.block[1]
@@ -800,6 +806,7 @@ class AMXBackend(Backend):
 
     name = "amx"
     batch_invariant = True
+    fused_attention = True
 
     def fp8_matmul(self, a: QTensor, b: QTensor, out_dtype: torch.dtype, invariant: bool = True) -> torch.Tensor:
         return _native_rows(dequantize(a), self._bf16_form(b), invariant, b.cache).to(out_dtype)

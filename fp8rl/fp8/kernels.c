@@ -7,6 +7,7 @@
    -ffp-contract=off), only vectorization of independent elements. */
 
 #include <stdint.h>
+#include <math.h>
 #include <string.h>
 
 static inline uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
@@ -142,4 +143,204 @@ void fp8rl_dequantize_blocks(const uint8_t *codes, const float *scales, int64_t 
             }
         }
     }
+}
+
+/* ---- Softmax attention, one fused pass per group of query rows ----
+
+   Not a copy of torch code: the attention of the fast backends (`cpu`, `amx`) is defined by
+   this kernel, in the rollout's decode steps and in the training forward alike, so both get
+   the same bits by construction. A query row's output depends only on its own q, its mask
+   row and the keys and values of its KV head: the same operations in the same order whatever
+   the batch, the number of rows computed together, the number of key slots passed (slots past
+   the row's last live one are never read) or the storage (BF16 widens exactly; a per-head
+   scale is one FP32 product, what transformer.store_heads computes for FP8 K/V).
+
+   Per row (16-lane vectors of GCC's vector extension: each lane is plain IEEE FP32
+   arithmetic, the same on AVX-512, AVX2 or scalar code):
+     score[l] = (sum over d in ascending order of q[d] * k[l][d]) * scale, lane l % 16;
+     blocked slots -> -inf; m = max of the live scores (exact, any order);
+     e[l] = exp(score[l] - m) (exp_nonpos below; 0 where blocked);
+     sum: 16 lane sums over l in ascending order, then a fixed halving tree;
+     p[l] = e[l] / sum (with p_scale > 0: rounded to E4M3 at that scale, as store_heads);
+     out[d] = sum over live l in ascending order of p[l] * v[l][d]. */
+
+#define LANES 16
+#define ROWS 4   /* query rows sharing one pass over their KV head's keys */
+#define CHUNKS 4 /* 16-key chunks of one pass: independent sums, so they overlap */
+#define DBLK 4   /* 16-wide blocks of the output row accumulated in one pass over the values */
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(32)));
+typedef uint8_t vb8 __attribute__((vector_size(16)));
+
+static inline vf splat(float x) { return (vf){0} + x; }
+static inline vf select_vf(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
+static inline vf loadu(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+static inline void storeu(float *p, vf v) { memcpy(p, &v, sizeof v); }
+static inline vf load_bf16(const uint16_t *p) { vh h; memcpy(&h, p, sizeof h); return (vf)(__builtin_convertvector(h, vu) << 16); }
+static inline vf load_kv(const void *base, int64_t at, int bf16) {
+    return bf16 ? load_bf16((const uint16_t *)base + at) : loadu((const float *)base + at);
+}
+
+/* round_e4m3 on 16 lanes. */
+static inline vf round_e4m3_v(vf y) {
+    y = select_vf(y < -E4M3_MAX, splat(-E4M3_MAX), y);
+    y = select_vf(y > E4M3_MAX, splat(E4M3_MAX), y);
+    vu e = (vu)y & EXPONENT_BITS;
+    e = (vu)select_vf((vi)(e < E4M3_MIN_NORMAL_EXP), (vf)((vu){0} + E4M3_MIN_NORMAL_EXP), (vf)e);
+    const vf magic = (vf)(e + MAGIC_OFFSET);
+    return (y + magic) - magic;
+}
+
+/* exp(x) for x <= 0 (softmax's shifted scores): Cephes' expf, a Cody-Waite reduction
+   x = n ln2 + r and a degree-7 polynomial in r (about 1 ulp), times 2**n from its bits; 0
+   below -87 (where 2**n would leave the normal range; such a weight is below 2**-125). */
+static inline vf exp_nonpos_v(vf x) {
+    const vf big = splat(12582912.0f); /* 1.5 * 2**23: adding it rounds to an integer */
+    const vi under = x < -87.0f;
+    const vf xc = select_vf(under, splat(-87.0f), x);
+    const vf n = (xc * 1.44269504088896341f + big) - big;
+    vf r = xc - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    vf p = splat(1.9875691500E-4f);
+    p = p * r + 1.3981999507E-3f;
+    p = p * r + 8.3334519073E-3f;
+    p = p * r + 4.1665795894E-2f;
+    p = p * r + 1.6666665459E-1f;
+    p = p * r + 5.0000001201E-1f;
+    p = (p * (r * r) + r) + 1.0f;
+    const vf two_n = (vf)((__builtin_convertvector(n, vi) + 127) << 23);
+    return select_vf(under, splat(0.0f), p * two_n);
+}
+
+/* R query rows (qr, o, mask, live slot counts hi_of) against one KV head: keys kt[d * kt_d + l]
+   (transposed: the slot axis contiguous), values v[l * v_l + d]; s: R x Lpad scratch. */
+static inline __attribute__((always_inline)) void rows_attention(
+    const float *const *qr, float *const *o, const uint8_t *const *mask, const int64_t *hi_of, const int R,
+    const void *kt, int64_t kt_d, const void *v, int64_t v_l, const int bf16, float ks, float vs,
+    const int scaled, int64_t D, float scale, float p_scale, float *s, int64_t Lpad) {
+    int64_t hi = 0;
+    for (int r = 0; r < R; r++) hi = hi_of[r] > hi ? hi_of[r] : hi;
+    const int64_t nch = (hi + LANES - 1) / LANES;
+    const vi iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    vf vmx[ROWS];
+    for (int r = 0; r < R; r++) vmx[r] = splat(-INFINITY);
+    for (int64_t c0 = 0; c0 < nch; c0 += CHUNKS) {
+        const int nc = nch - c0 < CHUNKS ? (int)(nch - c0) : CHUNKS;
+        vf acc[ROWS][CHUNKS];
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < CHUNKS; c++) acc[r][c] = splat(0.0f);
+        for (int64_t d = 0; d < D; d++)
+            for (int c = 0; c < nc; c++) {
+                vf kv = load_kv(kt, d * kt_d + (c0 + c) * LANES, bf16);
+                if (scaled) kv = kv * ks;
+                for (int r = 0; r < R; r++) acc[r][c] = acc[r][c] + qr[r][d] * kv;
+            }
+        for (int c = 0; c < nc; c++) {
+            const int64_t l0 = (c0 + c) * LANES;
+            for (int r = 0; r < R; r++) {
+                vb8 blocked;
+                memcpy(&blocked, mask[r] + l0, LANES); /* mask rows are padded to whole chunks */
+                const vi live = (__builtin_convertvector(blocked, vi) == 0) & ((iota + (int32_t)l0) < (int32_t)hi_of[r]);
+                const vf x = select_vf(live, acc[r][c] * scale, splat(-INFINITY));
+                storeu(s + r * Lpad + l0, x);
+                vmx[r] = select_vf(x > vmx[r], x, vmx[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float *sr = s + r * Lpad, lanes[LANES], m = -INFINITY;
+        storeu(lanes, vmx[r]);
+        for (int j = 0; j < LANES; j++) m = lanes[j] > m ? lanes[j] : m;
+        vf sum = splat(0.0f);
+        for (int64_t c = 0; c < nch; c++) {
+            const vf x = loadu(sr + c * LANES);
+            const vf e = select_vf(x == -INFINITY, splat(0.0f), exp_nonpos_v(x - m));
+            storeu(sr + c * LANES, e);
+            sum = sum + e;
+        }
+        storeu(lanes, sum);
+        for (int w = LANES / 2; w > 0; w /= 2)
+            for (int j = 0; j < w; j++) lanes[j] = lanes[j] + lanes[j + w];
+        for (int64_t c = 0; c < nch; c++) {
+            vf p = loadu(sr + c * LANES) / lanes[0];
+            if (p_scale > 0.0f) { /* quant.dequantize_static(p, p_scale): sign of p, then the scale */
+                const vf y = round_e4m3_v(p / p_scale);
+                p = (vf)(((vu)y & 0x7FFFFFFFu) | ((vu)p & 0x80000000u)) * p_scale;
+            }
+            storeu(sr + c * LANES, p);
+        }
+    }
+    for (int64_t d0 = 0; d0 < D; d0 += DBLK * LANES) {
+        const int nb = (D - d0) / LANES < DBLK ? (int)((D - d0) / LANES) : DBLK;
+        vf acc[ROWS][DBLK];
+        for (int r = 0; r < R; r++)
+            for (int k = 0; k < DBLK; k++) acc[r][k] = splat(0.0f);
+        for (int64_t l = 0; l < hi; l++) { /* a blocked slot's p is 0: adds +-0 to sums that start at +0 */
+            float p[ROWS];
+            for (int r = 0; r < R; r++) p[r] = s[r * Lpad + l];
+            for (int k = 0; k < nb; k++) {
+                vf vv = load_kv(v, l * v_l + d0 + k * LANES, bf16);
+                if (scaled) vv = vv * vs;
+                for (int r = 0; r < R; r++) acc[r][k] = acc[r][k] + p[r] * vv;
+            }
+        }
+        for (int r = 0; r < R; r++)
+            for (int k = 0; k < nb; k++) storeu(o[r] + d0 + k * LANES, acc[r][k]);
+    }
+}
+
+#define ROWS_CALL(R)                                                                                            \
+    do {                                                                                                        \
+        if (bf16 && k_scale) rows_attention(qr, o, mask, hi, R, ktb, kt_d, vb, v_l, 1, ks, vs, 1, D, scale, p_scale, work, Lpad); \
+        else if (bf16) rows_attention(qr, o, mask, hi, R, ktb, kt_d, vb, v_l, 1, ks, vs, 0, D, scale, p_scale, work, Lpad);      \
+        else rows_attention(qr, o, mask, hi, R, ktb, kt_d, vb, v_l, 0, ks, vs, 0, D, scale, p_scale, work, Lpad);                \
+    } while (0)
+
+/* out[b, h, t] = softmax attention of q[b, h, t] over the first L key slots of KV head
+   h / (H / Hkv) of batch row b, for b in [b0, b1).
+     q      FP32 [B, H, T, D], contiguous; out the same;
+     kt     keys transposed [B, Hkv, D, *] (slot axis contiguous), strides kt_b, kt_h, kt_d;
+     v      values [B, Hkv, *, D] (D contiguous), strides v_b, v_h, v_l;
+            both FP32 (bf16 == 0) or BF16 bits (bf16 == 1), then times k_scale[h] / v_scale[h]
+            where those are given (FP8 K/V: the E4M3 values, exact in BF16, and their scales);
+     blocked uint8 [B, T, Lpad] (1: slot not attended; Lpad = L rounded up to 16, the padding 1),
+            strides m_b, m_t;
+     D a multiple of 16; work: 4 * Lpad floats. */
+void fp8rl_attention(const float *q, const void *kt, const void *v, int bf16, const float *k_scale,
+                     const float *v_scale, int64_t kt_b, int64_t kt_h, int64_t kt_d, int64_t v_b, int64_t v_h,
+                     int64_t v_l, const uint8_t *blocked, int64_t m_b, int64_t m_t, int64_t b0, int64_t b1,
+                     int64_t H, int64_t Hkv, int64_t T, int64_t D, int64_t L, float scale, float p_scale,
+                     float *out, float *work) {
+    const int64_t G = H / Hkv, Lpad = (L + LANES - 1) / LANES * LANES, esz = bf16 ? 2 : 4;
+    for (int64_t b = b0; b < b1; b++)
+        for (int64_t hk = 0; hk < Hkv; hk++) {
+            const char *ktb = (const char *)kt + (b * kt_b + hk * kt_h) * esz;
+            const char *vb = (const char *)v + (b * v_b + hk * v_h) * esz;
+            const float ks = k_scale ? k_scale[hk] : 1.0f, vs = v_scale ? v_scale[hk] : 1.0f;
+            const int64_t nrows = G * T; /* row i: query head hk * G + i / T, token i % T */
+            for (int64_t i0 = 0; i0 < nrows; i0 += ROWS) {
+                const float *qr[ROWS];
+                float *o[ROWS];
+                const uint8_t *mask[ROWS];
+                int64_t hi[ROWS];
+                const int nr = nrows - i0 < ROWS ? (int)(nrows - i0) : ROWS;
+                for (int r = 0; r < nr; r++) {
+                    const int64_t h = hk * G + (i0 + r) / T, t = (i0 + r) % T;
+                    qr[r] = q + ((b * H + h) * T + t) * D;
+                    o[r] = out + ((b * H + h) * T + t) * D;
+                    mask[r] = blocked + b * m_b + t * m_t;
+                    int64_t e = L; /* the row's live slots end here: nothing after is read */
+                    while (e > 0 && mask[r][e - 1]) e--;
+                    hi[r] = e;
+                }
+                switch (nr) {
+                case 1: ROWS_CALL(1); break;
+                case 2: ROWS_CALL(2); break;
+                case 3: ROWS_CALL(3); break;
+                default: ROWS_CALL(4); break;
+                }
+            }
+        }
 }

@@ -116,6 +116,9 @@ def library() -> ctypes.CDLL | None:
     lib.fp8rl_quantize_blocks.argtypes = [ptr, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int, ptr, ptr]
     lib.fp8rl_dequantize_blocks.restype = None
     lib.fp8rl_dequantize_blocks.argtypes = [ptr, ptr, i64, i64, i64, i64, ctypes.c_int, ptr]
+    lib.fp8rl_attention.restype = None
+    lib.fp8rl_attention.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, ptr, *[i64] * 6, ptr, *[i64] * 9,
+                                    ctypes.c_float, ctypes.c_float, ptr, ptr]
     return lib
 
 
@@ -186,4 +189,62 @@ def dequantize_blocks(
     out = torch.empty(m, k, dtype=dtype)
     lib.fp8rl_dequantize_blocks(codes.data_ptr(), scales.data_ptr(), m, k, bm, bk, dtype == torch.bfloat16,
                                 out.data_ptr())
+    return out
+
+
+def attention_available(head_dim: int) -> bool:
+    """Whether ``attention`` runs here for heads of ``head_dim`` (the kernel's D is a
+    multiple of 16), so that callers pick one arithmetic for a whole model."""
+    return head_dim % 16 == 0 and library() is not None
+
+
+def padded_mask(blocked: torch.Tensor) -> torch.Tensor:
+    """``blocked`` BoolTensor[B, 1, T, L] -> uint8 [B, T, L rounded up to 16], the padding
+    blocked: the mask ``attention`` reads (made once per forward, shared by its layers)."""
+    L = blocked.shape[-1]
+    m = blocked[:, 0].view(torch.uint8)
+    return torch.nn.functional.pad(m, (0, -L % 16), value=1).contiguous()
+
+
+def attention(
+    q: torch.Tensor,
+    kt: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    length: int,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    p_scale: float = 0.0,
+) -> torch.Tensor:
+    """``fp8rl_attention`` (kernels.c: its arithmetic, row by row): softmax attention of
+    ``q`` FP32 [B, H, T, D] over the first ``length`` key slots of ``kt`` [B, Hkv, D, >=length]
+    (keys transposed, slot axis contiguous) and ``v`` [B, Hkv, >=length, D], both FP32 or
+    BF16, each times its per-KV-head FP32 scale [Hkv] where given; ``mask`` from
+    ``padded_mask`` (True/1: not attended); ``p_scale`` > 0 stores P in E4M3 at that scale.
+    -> FP32 [B, H, T, D]. A row's result does not depend on the other rows, on ``length``
+    beyond its live slots, or on BF16 vs FP32 storage of the same values. Call only where
+    ``attention_available(D)``."""
+    lib = library()
+    B, H, T, D = q.shape
+    Hkv = kt.shape[1]
+    if kt.dtype != v.dtype or kt.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"attention: keys and values must both be FP32 or BF16, got {kt.dtype} and {v.dtype}")
+    chunks = -(-length // 16) * 16  # the kernel reads keys and mask in whole 16-slot chunks
+    if kt.stride(-1) != 1 or v.stride(-1) != 1 or mask.stride(-1) != 1:
+        raise ValueError("attention: keys, values and mask need a contiguous last axis")
+    if kt.shape[-1] < chunks or mask.shape[-1] < chunks or v.shape[-2] < length or kt.shape[-2] != D:
+        raise ValueError(f"attention: {length} key slots need keys and a mask of {chunks} slots and values of "
+                         f"{length}, head size {D}; got {tuple(kt.shape)}, {tuple(mask.shape)}, {tuple(v.shape)}")
+    q = q.float().contiguous()
+    out = torch.empty_like(q)
+    scales = [s.float().contiguous() if s is not None else None for s in (k_scale, v_scale)]
+    args = (q.data_ptr(), kt.data_ptr(), v.data_ptr(), int(kt.dtype == torch.bfloat16),
+            *[s.data_ptr() if s is not None else None for s in scales],
+            kt.stride(0), kt.stride(1), kt.stride(2), v.stride(0), v.stride(1), v.stride(2),
+            mask.data_ptr(), mask.stride(0), mask.stride(1))
+    # One thread: torch's OpenMP workers spin between ops, so a second thread of ours only
+    # shared a core with one (no gain measured; 1.8x with OMP_WAIT_POLICY=passive).
+    work = torch.empty(4 * chunks)  # the kernel's scratch: 4 rows of scores
+    lib.fp8rl_attention(*args, 0, B, H, Hkv, T, D, length, scale, p_scale, out.data_ptr(), work.data_ptr())
     return out

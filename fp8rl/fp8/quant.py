@@ -269,9 +269,16 @@ def dequantize_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     signs of zero included, without the FP8 round trip: torch's FP8 cast is a scalar
     loop on the CPU and the way back a table gather, which made FP8 attention's
     Q/K/V/P storage a sizeable part of a ``jet-kv`` step."""
+    return e4m3_values(x, scale).mul_(scale)
+
+
+def e4m3_values(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``fp8_to_float(quantize_static(x, scale))`` as FP32, signs of zero included: the E4M3
+    values before their scale (``dequantize_static`` is these times ``scale``). They are
+    exact in BF16, which is how an FP8 KV cache of the fused attention holds them."""
     x32 = x.float()
     y = _round_to_e4m3_(_scaled(x32, scale, E4M3.max))
-    return torch.copysign(y, x32, out=y).mul_(scale)
+    return torch.copysign(y, x32, out=y)
 
 
 def _scaled(x32: torch.Tensor, scale: torch.Tensor, fmax: float) -> torch.Tensor:

@@ -33,17 +33,18 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fp8rl.fp8 import kernels
 from fp8rl.fp8.backends import Backend
 from fp8rl.fp8.formats import E4M3_MAX
 from fp8rl.fp8.linear import linears_of_one_input
-from fp8rl.fp8.quant import DerivedCache, dequantize_static
+from fp8rl.fp8.quant import DerivedCache, dequantize_static, e4m3_values
 from fp8rl.precision import FULL_PRECISION_ATTENTION, FULL_PRECISION_HEAD, AttentionPlan, FlowPlan, HeadPlan
 
 from .config import ModelConfig
@@ -139,10 +140,18 @@ class AttentionContext:
     cache: KVCacheLike | None = None
     amax: dict[int, dict[str, list[torch.Tensor]]] | None = None
     routing: dict[int, list[torch.Tensor]] | None = None
+    _kernel_mask: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def cache_len(self) -> int:
         return self.mask.shape[-1]
+
+    def kernel_mask(self) -> torch.Tensor:
+        """`blocked` in the fused attention kernel's form (`kernels.padded_mask`), made on
+        first use and shared by every layer of the forward."""
+        if self._kernel_mask is None:
+            self._kernel_mask = kernels.padded_mask(self.blocked)
+        return self._kernel_mask
 
 
 def make_context(
@@ -213,7 +222,66 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_rot: torch.Tensor) -> tor
     return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin_rot
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+# E4M3 storage of P (in [0, 1]) uses this fixed scale.
+P_SCALE = 1.0 / E4M3_MAX
+
+
+def fused_attention_on(plan: AttentionPlan, head_dim: int) -> bool:
+    """Whether attention under `plan` runs as the compiled fused kernel (the plan's backend
+    asks for it, `Backend.fused_attention`, and the kernel runs here for this head size)."""
+    return plan.backend.fused_attention and kernels.attention_available(head_dim)
+
+
+class _FusedAttention(torch.autograd.Function):
+    """`kernels.attention` with a graph: the kernel's forward bits; the backward is that of
+    the same function in torch ops (`_attention_torch`), recomputed from q, k and v (nothing
+    compares gradients row by row, and no [B, H, T, L] tensor is kept between the passes)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor,  # type: ignore[override]
+                mask: torch.Tensor, p_fp8: bool) -> torch.Tensor:
+        ctx.save_for_backward(q, k, v, blocked)
+        ctx.p_fp8 = p_fp8
+        return _fused_forward(q, k, v, mask, p_fp8)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        q, k, v, blocked = ctx.saved_tensors
+        with torch.enable_grad():
+            inputs = [t.detach().requires_grad_(need) for t, need in zip((q, k, v), ctx.needs_input_grad[:3])]
+            out = _attention_torch(*inputs, blocked, ctx.p_fp8)
+            wanted = [t for t in inputs if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, grad))
+        return (*(next(grads) if t.requires_grad else None for t in inputs), None, None, None)
+
+
+def _fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, p_fp8: bool) -> torch.Tensor:
+    """The kernel on FP32 K/V [B, Hkv, L, D] (a forward without a KV cache): K transposed,
+    its slot axis padded to whole 16-slot chunks (the kernel reads chunks; the padding is
+    masked)."""
+    L = k.shape[2]
+    kt = F.pad(k.detach().transpose(-1, -2), (0, -L % 16)).contiguous()  # [B, Hkv, D, L16]
+    return kernels.attention(q.detach(), kt, v.detach().contiguous(), mask, L, 1.0 / math.sqrt(q.shape[-1]),
+                             p_scale=P_SCALE if p_fp8 else 0.0)
+
+
+def _attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor, p_fp8: bool) -> torch.Tensor:
+    """The fused kernel's function in plain torch ops (its backward): q [B, H, T, D], k, v
+    [B, Hkv, L, D], blocked [B, 1, T, >=L] -> [B, H, T, D]."""
+    B, H, T, D = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    qg = q.reshape(B, Hkv, (H // Hkv) * T, D)
+    scores = (qg @ k.transpose(-1, -2)).reshape(B, H, T, L) * (1.0 / math.sqrt(D))
+    p = torch.softmax(scores.masked_fill(blocked[..., :L], float("-inf")), dim=-1)
+    if p_fp8:
+        p = store_heads(p, "fp8", torch.full((H,), P_SCALE, device=p.device))
+    return (p.reshape(B, Hkv, (H // Hkv) * T, L) @ v).reshape(B, H, T, D)
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor, plan: AttentionPlan,
+    kernel_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Softmax attention over a static number of key slots, with grouped KV heads.
 
     q [B, H, T, D]; k, v [B, Hkv, L, D] (query head h reads KV head h // (H/Hkv));
@@ -224,8 +292,19 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Ten
     heads that share a KV head are stacked as G*T rows of one product against
     it (no copy of K/V per query head; a decode step then has G rows, not 1).
     `plan.qp == "fp8"` stores P in E4M3 with the fixed scale 1/448 (P is in [0, 1]).
+
+    Where `fused_attention_on(plan, D)`, all of it is instead the compiled kernel's one
+    pass per row (`kernels.attention`; `kernel_mask`: `blocked` in its form, made here if
+    not given), the arithmetic the rollout's decode runs on its KV cache
+    (`Attention.forward`); keys may then stop at any slot past the last one attended.
     """
     B, H, T, D = q.shape
+    if fused_attention_on(plan, D):
+        mask = kernel_mask if kernel_mask is not None else kernels.padded_mask(blocked)
+        p_fp8 = plan.qp == "fp8"
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            return _FusedAttention.apply(q, k, v, blocked, mask, p_fp8)
+        return _fused_forward(q, k, v, mask, p_fp8)
     Hkv = k.shape[1]
     qg = q.reshape(B, Hkv, (H // Hkv) * T, D)  # query heads of a group, then tokens
     scale = 1.0 / math.sqrt(D)
@@ -235,7 +314,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Ten
     scores.mul_(scale).masked_fill_(blocked, float("-inf"))
     p = torch.softmax(scores, dim=-1)
     if plan.qp == "fp8":
-        p = store_heads(p, "fp8", torch.full((p.shape[1],), 1.0 / E4M3_MAX, device=p.device))
+        p = store_heads(p, "fp8", torch.full((p.shape[1],), P_SCALE, device=p.device))
     out = plan.backend.attention_values(p.reshape(B, Hkv, (H // Hkv) * T, -1), v)  # [B, Hkv, G*T, D]
     return out.reshape(B, H, T, D)
 
@@ -326,10 +405,18 @@ class Attention(nn.Module):
                 rec[name].append(t.detach().abs().amax(dim=-1).transpose(1, 2).reshape(-1, t.shape[1]))
 
         plan = self.attention_plan
-        k_val = store_heads(k, plan.kv, self.k_scale)
-        v_val = store_heads(v, plan.kv, self.v_scale)
         q_val = store_heads(q, plan.qp, self.q_scale)
         L = ctx.cache_len
+        if getattr(ctx.cache, "fused", False):  # a rollout's cache in the fused kernel's layout
+            out = self._attend_fused_cache(q_val, k, v, ctx)
+            return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        k_val = store_heads(k, plan.kv, self.k_scale)
+        v_val = store_heads(v, plan.kv, self.v_scale)
+        if fused_attention_on(plan, self.head_dim) and ctx.cache is None:
+            if ctx.start != 0:
+                raise ValueError("a forward without a KV cache must start at slot 0")
+            out = attend(q_val, k_val, v_val, ctx.blocked, plan, ctx.kernel_mask())  # keys past T: never read
+            return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
         if ctx.cache is not None:
             k_all, v_all = ctx.cache.update(self.layer_idx, ctx.start, k_val, v_val)
             if k_all.shape[2] != L:  # a decode step reads only the slots its context covers (`key_slots`)
@@ -339,8 +426,25 @@ class Attention(nn.Module):
                 raise ValueError("a forward without a KV cache must start at slot 0")
             k_all = F.pad(k_val, (0, 0, 0, L - T))  # zero keys beyond T are masked
             v_all = F.pad(v_val, (0, 0, 0, L - T))
-        out = attend(q_val, k_all, v_all, ctx.blocked, plan)  # [B, H, T, D]
+        out = attend(q_val, k_all, v_all, ctx.blocked, plan, ctx.kernel_mask() if ctx.cache is not None else None)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+    def _attend_fused_cache(self, q_val: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """Attention of a rollout step (no graph) on a cache that holds BF16 K (transposed) and
+        V: the kernel reads them directly. BF16 K/V are written as such (the conversion rounds
+        as `store_heads`); FP8 ones as their E4M3 values, exact in BF16, the kernel applying
+        the per-head scales as `store_heads` does. The same bits as `attend` on the stored
+        FP32 values (the training forward)."""
+        plan = self.attention_plan
+        fp8 = plan.kv == "fp8"
+        if fp8:
+            k, v = e4m3_values(k, self.k_scale.view(1, -1, 1, 1)), e4m3_values(v, self.v_scale.view(1, -1, 1, 1))
+        kt_all, v_all = ctx.cache.update_transposed(self.layer_idx, ctx.start, k, v)
+        return kernels.attention(
+            q_val, kt_all, v_all, ctx.kernel_mask(), ctx.cache_len, 1.0 / math.sqrt(self.head_dim),
+            k_scale=self.k_scale if fp8 else None, v_scale=self.v_scale if fp8 else None,
+            p_scale=P_SCALE if plan.qp == "fp8" else 0.0,
+        )
 
 
 # Projection names of a gated MLP: (gate, up, down). Mixtral's experts call them w1, w3, w2.

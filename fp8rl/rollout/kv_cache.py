@@ -3,8 +3,10 @@
 Layout per layer: K and V as [B, n_kv_heads, cache_len, head_dim]. The stored
 precision decides the numbers: BF16 values, or E4M3 values times the attention
 module's per-KV-head FP32 scales (static during a rollout, recalibrated between
-steps). On the CPU, attention multiplies in FP32 (there is no FP8 or
-batch-invariant BF16 attention kernel), so the cache holds those values as FP32,
+steps). Under a backend with the fused attention kernel (`fused`: `cpu` and `amx` where
+the compiled kernels load) the cache holds K (transposed) and V in BF16 (FP8: the E4M3
+values, exact in BF16; the kernel applies the scales) and the kernel reads them directly.
+Otherwise attention multiplies FP32 products, so the cache holds those values as FP32,
 computed once for the slots written (`transformer.store_heads`) rather than for the
 whole cache at every decode step (which was about a quarter of a tiny-arith decode step). `nbytes` is
 the size in the stored format (FP8: 1 byte per element plus 2 x n_kv_heads
@@ -16,7 +18,11 @@ from __future__ import annotations
 
 import torch
 
+from fp8rl.model.transformer import fused_attention_on
+
 STORAGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+# What a fused cache holds per element: BF16 values, or the E4M3 values (exact in BF16) of FP8.
+FUSED_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
 
 
 class KVCache:
@@ -31,6 +37,7 @@ class KVCache:
         k_scales: list[torch.Tensor] | None = None,
         v_scales: list[torch.Tensor] | None = None,
         device: torch.device | str = "cpu",
+        fused: bool = False,
     ) -> None:
         if precision not in STORAGE_DTYPES:
             raise ValueError(f"unknown KV cache precision {precision!r}; valid: {', '.join(STORAGE_DTYPES)}")
@@ -40,9 +47,18 @@ class KVCache:
         self.cache_len = cache_len
         self.shape = (batch, n_kv_heads, cache_len, head_dim)
         self.n_layers = n_layers
-        # FP32 values of the stored K/V: [B, H, cache_len, D] per layer
-        self.k = [torch.zeros(self.shape, dtype=torch.float32, device=device) for _ in range(n_layers)]
-        self.v = [torch.zeros(self.shape, dtype=torch.float32, device=device) for _ in range(n_layers)]
+        self.fused = fused
+        if fused:
+            # The fused attention kernel's layout (fp8rl/fp8/kernels.py `attention`), in the stored
+            # format: K transposed [B, H, D, cache_len rounded up to 16] (the kernel reads 16-slot
+            # chunks) and V [B, H, cache_len, D], BF16 for BF16 and FP8 storage (FUSED_DTYPES).
+            dtype, slots = FUSED_DTYPES[precision], -(-cache_len // 16) * 16
+            self.k = [torch.zeros(batch, n_kv_heads, head_dim, slots, dtype=dtype, device=device) for _ in range(n_layers)]
+            self.v = [torch.zeros(self.shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        else:
+            # FP32 values of the stored K/V: [B, H, cache_len, D] per layer
+            self.k = [torch.zeros(self.shape, dtype=torch.float32, device=device) for _ in range(n_layers)]
+            self.v = [torch.zeros(self.shape, dtype=torch.float32, device=device) for _ in range(n_layers)]
         # the stored format's per-KV-head scales (counted in `nbytes`); the values written are
         # already E4M3 data times these scales (`transformer.store_heads`)
         self.k_scales = list(k_scales) if k_scales else None
@@ -50,20 +66,22 @@ class KVCache:
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, batch: int, cache_len: int) -> "KVCache":
-        """A cache matching `model`'s config and its attention storage precision."""
+        """A cache matching `model`'s config and its attention storage precision, in the
+        fused kernel's layout where its attention runs as that kernel."""
         c = model.config
         attns = [layer.self_attn for layer in model.model.layers]
-        precision = attns[0].attention_plan.kv
-        fp8 = precision == "fp8"
+        plan = attns[0].attention_plan
+        fp8 = plan.kv == "fp8"
         return cls(
-            c.num_layers, batch, c.num_kv_heads, cache_len, c.head_dim, precision,
+            c.num_layers, batch, c.num_kv_heads, cache_len, c.head_dim, plan.kv,
             k_scales=[a.k_scale for a in attns] if fp8 else None,
             v_scales=[a.v_scale for a in attns] if fp8 else None,
             device=model.device,
+            fused=all(fused_attention_on(a.attention_plan, c.head_dim) for a in attns),
         )
 
     def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write K/V [B, H, T, D] at slots [start, start+T): their FP32 values, already
+        """(A cache that is not `fused`.) Write K/V [B, H, T, D] at slots [start, start+T): their FP32 values, already
         rounded to the cache's precision (`transformer.store_heads`: for FP8 the
         E4M3 data times the module's scales, which this cache's scales copy);
         return the whole cache of this layer as float32 values [B, H, cache_len, D]."""
@@ -71,6 +89,20 @@ class KVCache:
         if start + T > self.cache_len:
             raise ValueError(f"KV cache overflow: slots [{start}, {start + T}) exceed cache_len {self.cache_len}")
         self.k[layer][:, :, start : start + T] = k
+        self.v[layer][:, :, start : start + T] = v
+        return self.k[layer], self.v[layer]
+
+    def update_transposed(
+        self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A fused cache's `update`: write K/V [B, H, T, D] (FP32, converted to the stored
+        dtype: BF16 rounds to nearest even, as `transformer.store_heads`; for FP8 the E4M3
+        values before their scales, exact in BF16) at slots [start, start+T); return this
+        layer's K transposed [B, H, D, slots] and V [B, H, cache_len, D]."""
+        T = k.shape[2]
+        if start + T > self.cache_len:
+            raise ValueError(f"KV cache overflow: slots [{start}, {start + T}) exceed cache_len {self.cache_len}")
+        self.k[layer][:, :, :, start : start + T] = k.transpose(-1, -2)
         self.v[layer][:, :, start : start + T] = v
         return self.k[layer], self.v[layer]
 
@@ -89,7 +121,7 @@ class KVCache:
 
     @property
     def resident_nbytes(self) -> int:
-        """Bytes this engine holds: the FP32 values, plus scales."""
+        """Bytes this engine holds: the FP32 values (a fused cache: BF16), plus scales."""
         return sum(t.numel() * t.element_size() for t in self.k + self.v) + self._scale_bytes()
 
     def _scale_bytes(self) -> int:

@@ -92,6 +92,21 @@ def test_a_row_has_the_same_bits_alone_and_in_any_batch():
             assert torch.equal(alone[0, :, 0], full[b, :, t]), (b, t)
 
 
+def test_the_bits_do_not_depend_on_the_thread_count():
+    """The kernel shares its (batch row, KV head) items among torch's threads: one thread,
+    two and three (more than the items of a batch row) give the same bits."""
+    q, k, v, ctx = _case(3, 9, 3, 5, 80, 64, seed=7)
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append(_run(q, k, v, ctx))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(r, results[0]) for r in results[1:])
+
+
 def test_bf16_and_scaled_storage_give_the_bits_of_the_fp32_values():
     """The rollout's cache holds BF16 (or E4M3 values and per-head scales); the training
     forward passes the FP32 values: the same bits."""
@@ -120,3 +135,52 @@ def test_the_backward_is_that_of_the_same_function():
 
 def test_the_kernel_is_used_only_for_head_sizes_it_handles():
     assert not kernels.attention_available(24)
+
+
+@pytest.mark.parametrize("q_precision", ["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("kv_fp8", [False, True], ids=["kv-bf16", "kv-fp8"])
+def test_rope_store_has_the_bits_of_the_torch_code(q_precision: str, kv_fp8: bool):
+    """`kernels.rope_store` (a rollout step's RoPE, Q storage and fused-cache write) against
+    transformer.py's torch code: `apply_rope`, `store_heads` and the cache's stored values
+    (BF16, or E4M3 values before the scale), bit for bit, on q/k/v rows that are views of one
+    stacked GEMM output (as `linears_of_one_input` makes them), over 20 binades, with a
+    per-row position, BF16 ties and zeros of both signs."""
+    from fp8rl.model.config import ModelConfig
+    from fp8rl.model.transformer import Transformer, apply_rope, store_heads
+
+    B, T, H, Hkv, D, L, start = 3, 4, 6, 2, 64, 40, 9
+    g = torch.Generator().manual_seed(8)
+    rows = torch.randn(B * T, (H + 2 * Hkv) * D, generator=g) * torch.exp2(
+        torch.randint(-10, 10, (B * T, (H + 2 * Hkv) * D), generator=g).float())
+    # BF16 ties (low 16 bits 0x8000: round to even decides), kept by RoPE at position 0
+    ties = rows[::2].view(torch.int32)
+    ties[:, ::3] = (ties[:, ::3] & ~0xFFFF) | 0x8000
+    rows[0, :5] = 0.0
+    rows[1, :5] = -0.0
+    q = rows[:, : H * D].view(B, T, H, D)
+    k = rows[:, H * D : (H + Hkv) * D].view(B, T, Hkv, D)
+    v = rows[:, (H + Hkv) * D :].view(B, T, Hkv, D)
+    config = ModelConfig(vocab_size=32, hidden_size=H * D, intermediate_size=64, num_layers=1, num_heads=H,
+                         num_kv_heads=Hkv, head_dim=D)
+    positions = torch.randint(0, 500, (B, T), generator=g)
+    positions[:, 0] = 0  # cos 1, sin 0: the rotation leaves the planted ties in place
+    cos, sin = Transformer(config).rope(positions)
+    q_scale = torch.rand(H, generator=g) + 0.01
+    k_scale, v_scale = (torch.rand(Hkv, generator=g) * 4 + 0.01 for _ in range(2))
+    kt = torch.zeros(B, Hkv, D, 48, dtype=torch.bfloat16)
+    vc = torch.zeros(B, Hkv, L, D, dtype=torch.bfloat16)
+    q_val = kernels.rope_store(q, k, v, cos, sin, q_precision, q_scale, k_scale if kv_fp8 else None,
+                               v_scale if kv_fp8 else None, kt, vc, start)
+
+    qt, kt_ref = (apply_rope(t.transpose(1, 2), cos, sin) for t in (q, k))
+    want_q = store_heads(qt, q_precision, q_scale)
+    assert torch.equal(q_val.view(torch.int32), want_q.contiguous().view(torch.int32))  # signs of zero too
+    vt = v.transpose(1, 2)
+    if kv_fp8:
+        want_k, want_v = e4m3_values(kt_ref, k_scale.view(1, -1, 1, 1)), e4m3_values(vt, v_scale.view(1, -1, 1, 1))
+    else:
+        want_k, want_v = kt_ref, vt
+    got_k = kt[:, :, :, start : start + T].transpose(-1, -2)
+    assert torch.equal(got_k.view(torch.int16), want_k.bfloat16().contiguous().view(torch.int16))
+    assert torch.equal(vc[:, :, start : start + T].view(torch.int16), want_v.bfloat16().contiguous().view(torch.int16))
+    assert not kt[:, :, :, :start].any() and not vc[:, :, start + T :].any()  # nothing else written

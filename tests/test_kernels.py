@@ -152,9 +152,26 @@ def test_the_library_is_built_once_into_the_cache(fresh_library: pytest.MonkeyPa
     if cc is None:
         pytest.skip("no C compiler on this machine")
     fresh_library.setenv("FP8RL_CACHE_DIR", str(tmp_path))
-    first = kernels._build(cc)
+    flags = kernels.CFLAGS + kernels.OPENMP_FLAGS
+    first = kernels._build(cc, flags)
     assert first.parent == tmp_path / "kernels" and first.is_file()
     stamp = first.stat().st_mtime_ns
-    assert kernels._build(cc) == first and first.stat().st_mtime_ns == stamp  # cached, not rebuilt
+    assert kernels._build(cc, flags) == first and first.stat().st_mtime_ns == stamp  # cached, not rebuilt
     assert kernels.library() is not None
     assert [p.name for p in first.parent.iterdir()] == [first.name]
+
+
+def test_a_compiler_without_openmp_still_builds_the_kernels(fresh_library: pytest.MonkeyPatch, tmp_path: Path):
+    """OpenMP is optional: where ``-fopenmp`` fails, the plain build loads (one thread, the same bits)."""
+    cc = kernels._compiler()
+    if cc is None:
+        pytest.skip("no C compiler on this machine")
+    wrapper = tmp_path / "cc-without-openmp"
+    wrapper.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && exit 1; done\nexec {cc} "$@"\n')
+    wrapper.chmod(0o755)
+    fresh_library.setenv("FP8RL_CACHE_DIR", str(tmp_path / "cache"))
+    fresh_library.setenv("CC", str(wrapper))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert kernels.library() is not None
+    assert len(list((tmp_path / "cache" / "kernels").iterdir())) == 1

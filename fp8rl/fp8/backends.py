@@ -510,9 +510,13 @@ def _native_rows(a: torch.Tensor, w: torch.Tensor, invariant: bool, cache: dict)
         # forward (with a graph, outside it) writes into it too.
         with torch.inference_mode(False):
             cache[("rows_in", tiles.small)] = w.new_zeros(tiles.small, k)
+        cache[("rows_used", tiles.small)] = 0
     buf = cache[("rows_in", tiles.small)]
     buf[:m].copy_(a)
-    buf[m:].zero_()
+    used = cache[("rows_used", tiles.small)]  # rows past this are zero already: only the last call's rest is zeroed
+    if used > m:
+        buf[m:used].zero_()
+    cache[("rows_used", tiles.small)] = m
     return gemm(buf)[:m].float()
 
 

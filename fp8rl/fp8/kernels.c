@@ -9,6 +9,10 @@
 #include <stdint.h>
 #include <math.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h> /* built with -fopenmp where the compiler has it: torch's own OpenMP runtime, loaded
+                    already, runs our parallel loops on its worker threads (kernels.py) */
+#endif
 
 static inline uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline float f32_from_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
@@ -293,9 +297,9 @@ static inline __attribute__((always_inline)) void rows_attention(
 
 #define ROWS_CALL(R)                                                                                            \
     do {                                                                                                        \
-        if (bf16 && k_scale) rows_attention(qr, o, mask, hi, R, ktb, kt_d, vb, v_l, 1, ks, vs, 1, D, scale, p_scale, work, Lpad); \
-        else if (bf16) rows_attention(qr, o, mask, hi, R, ktb, kt_d, vb, v_l, 1, ks, vs, 0, D, scale, p_scale, work, Lpad);      \
-        else rows_attention(qr, o, mask, hi, R, ktb, kt_d, vb, v_l, 0, ks, vs, 0, D, scale, p_scale, work, Lpad);                \
+        if (bf16 && k_scale) rows_attention(qr, o, mask, hi, R, ktb, kt_d, vb, v_l, 1, ks, vs, 1, D, scale, p_scale, s, Lpad); \
+        else if (bf16) rows_attention(qr, o, mask, hi, R, ktb, kt_d, vb, v_l, 1, ks, vs, 0, D, scale, p_scale, s, Lpad);      \
+        else rows_attention(qr, o, mask, hi, R, ktb, kt_d, vb, v_l, 0, ks, vs, 0, D, scale, p_scale, s, Lpad);                \
     } while (0)
 
 /* out[b, h, t] = softmax attention of q[b, h, t] over the first L key slots of KV head
@@ -307,40 +311,140 @@ static inline __attribute__((always_inline)) void rows_attention(
             where those are given (FP8 K/V: the E4M3 values, exact in BF16, and their scales);
      blocked uint8 [B, T, Lpad] (1: slot not attended; Lpad = L rounded up to 16, the padding 1),
             strides m_b, m_t;
-     D a multiple of 16; work: 4 * Lpad floats. */
+     D a multiple of 16; work: threads * 4 * Lpad floats (each thread its rows of scores). The
+     (b, KV head) items are shared among `threads` OpenMP threads where built with OpenMP; an item's
+     arithmetic is the same on any thread, so the bits do not depend on the thread count. */
 void fp8rl_attention(const float *q, const void *kt, const void *v, int bf16, const float *k_scale,
                      const float *v_scale, int64_t kt_b, int64_t kt_h, int64_t kt_d, int64_t v_b, int64_t v_h,
                      int64_t v_l, const uint8_t *blocked, int64_t m_b, int64_t m_t, int64_t b0, int64_t b1,
                      int64_t H, int64_t Hkv, int64_t T, int64_t D, int64_t L, float scale, float p_scale,
-                     float *out, float *work) {
+                     float *out, float *work, int threads) {
     const int64_t G = H / Hkv, Lpad = (L + LANES - 1) / LANES * LANES, esz = bf16 ? 2 : 4;
-    for (int64_t b = b0; b < b1; b++)
-        for (int64_t hk = 0; hk < Hkv; hk++) {
-            const char *ktb = (const char *)kt + (b * kt_b + hk * kt_h) * esz;
-            const char *vb = (const char *)v + (b * v_b + hk * v_h) * esz;
-            const float ks = k_scale ? k_scale[hk] : 1.0f, vs = v_scale ? v_scale[hk] : 1.0f;
-            const int64_t nrows = G * T; /* row i: query head hk * G + i / T, token i % T */
-            for (int64_t i0 = 0; i0 < nrows; i0 += ROWS) {
-                const float *qr[ROWS];
-                float *o[ROWS];
-                const uint8_t *mask[ROWS];
-                int64_t hi[ROWS];
-                const int nr = nrows - i0 < ROWS ? (int)(nrows - i0) : ROWS;
-                for (int r = 0; r < nr; r++) {
-                    const int64_t h = hk * G + (i0 + r) / T, t = (i0 + r) % T;
-                    qr[r] = q + ((b * H + h) * T + t) * D;
-                    o[r] = out + ((b * H + h) * T + t) * D;
-                    mask[r] = blocked + b * m_b + t * m_t;
-                    int64_t e = L; /* the row's live slots end here: nothing after is read */
-                    while (e > 0 && mask[r][e - 1]) e--;
-                    hi[r] = e;
-                }
-                switch (nr) {
-                case 1: ROWS_CALL(1); break;
-                case 2: ROWS_CALL(2); break;
-                case 3: ROWS_CALL(3); break;
-                default: ROWS_CALL(4); break;
-                }
+    const int64_t items = (b1 - b0) * Hkv; /* one (batch row, KV head) each: no item reads another's output */
+    (void)threads;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && items > 1)
+#endif
+    for (int64_t item = 0; item < items; item++) {
+        const int64_t b = b0 + item / Hkv, hk = item % Hkv;
+#ifdef _OPENMP
+        float *s = work + (int64_t)omp_get_thread_num() * ROWS * Lpad;
+#else
+        float *s = work;
+#endif
+        const char *ktb = (const char *)kt + (b * kt_b + hk * kt_h) * esz;
+        const char *vb = (const char *)v + (b * v_b + hk * v_h) * esz;
+        const float ks = k_scale ? k_scale[hk] : 1.0f, vs = v_scale ? v_scale[hk] : 1.0f;
+        const int64_t nrows = G * T; /* row i: query head hk * G + i / T, token i % T */
+        for (int64_t i0 = 0; i0 < nrows; i0 += ROWS) {
+            const float *qr[ROWS];
+            float *o[ROWS];
+            const uint8_t *mask[ROWS];
+            int64_t hi[ROWS];
+            const int nr = nrows - i0 < ROWS ? (int)(nrows - i0) : ROWS;
+            for (int r = 0; r < nr; r++) {
+                const int64_t h = hk * G + (i0 + r) / T, t = (i0 + r) % T;
+                qr[r] = q + ((b * H + h) * T + t) * D;
+                o[r] = out + ((b * H + h) * T + t) * D;
+                mask[r] = blocked + b * m_b + t * m_t;
+                int64_t e = L; /* the row's live slots end here: nothing after is read */
+                while (e > 0 && mask[r][e - 1]) e--;
+                hi[r] = e;
+            }
+            switch (nr) {
+            case 1: ROWS_CALL(1); break;
+            case 2: ROWS_CALL(2); break;
+            case 3: ROWS_CALL(3); break;
+            default: ROWS_CALL(4); break;
             }
         }
+    }
+}
+
+/* ---- One decode step's heads into the fused KV cache ----
+
+   The torch code of Attention.forward between the q/k/v GEMMs and the attention kernel, for
+   the rollout's fused cache, in one pass and the same bits (element by element IEEE FP32
+   operations, no reduction):
+     rope:     y[d] = x[d] * cos[d] + x[(d + D/2) % D] * sin_rot[d] (transformer.apply_rope; the
+               sign of the rotated half is carried by sin_rot);
+     q:        stored per `q_mode`: 0 FP32 as is; 1 BF16-rounded (to nearest even, as torch's
+               conversion) and widened; 2 E4M3 at its head's scale (quant.dequantize_static:
+               clamp(y / s) rounded to E4M3, the sign of y, times s);
+     k, v:     written at slot `start + t` of the cache as BF16 bits: kv_fp8 == 0 the values
+               rounded to nearest even; kv_fp8 == 1 their E4M3 values (quant.e4m3_values:
+               exact in BF16) before the per-head scale, which the attention kernel applies.
+   q, k, v   FP32 rows r = b * T + t (row strides lq, lk, lv), head h at h * D, D contiguous;
+   cos, sin_rot FP32 [B * T, D]; q_out FP32 [B, H, T, D];
+   kt        BF16 keys transposed [B, Hkv, D, *] (strides kt_b, kt_h, kt_d), vc BF16 values
+             [B, Hkv, *, D] (strides v_b, v_h, v_l). NaN becomes torch's scalar NaN (0x7FC0). */
+
+static inline uint16_t bf16_bits(float f) {
+    const uint32_t u = f32_bits(f);
+    const uint16_t rounded = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    return (u & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)0x7FC0u : rounded; /* a select: the loops vectorize */
+}
+
+/* quant.e4m3_values of one FP32 value at scale s: clamp(x / s, -448, 448) on the E4M3 grid
+   (round_e4m3), with the sign of x (a negative value that rounds to zero keeps its sign). */
+static inline float e4m3_value(float x, float s) {
+    float y = x / s;
+    y = y < -E4M3_MAX ? -E4M3_MAX : (y > E4M3_MAX ? E4M3_MAX : y);
+    const uint32_t mag = f32_bits(round_e4m3(y)) & 0x7FFFFFFFu;
+    return f32_from_bits(mag | (f32_bits(x) & 0x80000000u));
+}
+
+static inline void rope_row(const float *x, const float *c, const float *s, int64_t D, float *y) {
+    const int64_t half = D / 2;
+    for (int64_t d = 0; d < half; d++) {
+        const float a = x[d] * c[d], b = x[d + half] * s[d];
+        y[d] = a + b;
+    }
+    for (int64_t d = half; d < D; d++) {
+        const float a = x[d] * c[d], b = x[d - half] * s[d];
+        y[d] = a + b;
+    }
+}
+
+void fp8rl_rope_store(const float *q, const float *k, const float *v, int64_t lq, int64_t lk, int64_t lv,
+                      const float *cos_, const float *sin_rot, int64_t B, int64_t T, int64_t H, int64_t Hkv,
+                      int64_t D, int q_mode, const float *q_scale, int kv_fp8, const float *k_scale,
+                      const float *v_scale, float *q_out, uint16_t *kt, int64_t kt_b, int64_t kt_h, int64_t kt_d,
+                      uint16_t *vc, int64_t v_b, int64_t v_h, int64_t v_l, int64_t start, int threads) {
+    (void)threads;
+    /* Rows in parallel: the cache writes are scattered (K transposed: one cache line per
+       element), so a second thread mostly overlaps their misses. */
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && B * T > 1)
+#endif
+    for (int64_t r = 0; r < B * T; r++) {
+        const int64_t b = r / T, t = r % T, slot = start + t;
+        float y[1024]; /* one head's row; D <= 1024 (checked by the caller) */
+        const float *c = cos_ + r * D, *s = sin_rot + r * D;
+        for (int64_t h = 0; h < H; h++) {
+            float *o = q_out + ((b * H + h) * T + t) * D;
+            rope_row(q + r * lq + h * D, c, s, D, o);
+            if (q_mode == 1)
+                for (int64_t d = 0; d < D; d++) o[d] = f32_from_bits((uint32_t)bf16_bits(o[d]) << 16);
+            else if (q_mode == 2)
+                for (int64_t d = 0; d < D; d++) o[d] = e4m3_value(o[d], q_scale[h]) * q_scale[h];
+        }
+        for (int64_t h = 0; h < Hkv; h++) {
+            uint16_t *kd = kt + b * kt_b + h * kt_h + slot, *vd = vc + b * v_b + h * v_h + slot * v_l;
+            const float *vr = v + r * lv + h * D;
+            rope_row(k + r * lk + h * D, c, s, D, y);
+            uint16_t kb[1024];
+            if (kv_fp8)
+                for (int64_t d = 0; d < D; d++) {
+                    kb[d] = bf16_bits(e4m3_value(y[d], k_scale[h]));
+                    vd[d] = bf16_bits(e4m3_value(vr[d], v_scale[h]));
+                }
+            else
+                for (int64_t d = 0; d < D; d++) {
+                    kb[d] = bf16_bits(y[d]);
+                    vd[d] = bf16_bits(vr[d]);
+                }
+            for (int64_t d = 0; d < D; d++) kd[d * kt_d] = kb[d];
+        }
+    }
 }

@@ -14,10 +14,11 @@ optimizer step (``quantize_blocks``), and for their dequantization to FP32 or BF
 The kernels are optional. ``library()`` builds ``kernels.c`` once per machine
 with the system C compiler (``$CC``, else ``cc``, ``gcc`` or ``clang``) into a cache
 folder (``$FP8RL_CACHE_DIR``, else ``$XDG_CACHE_HOME/fp8rl`` or ``~/.cache/fp8rl``),
-keyed by the source, the compiler and the CPU, and loads it with ctypes: about
-0.2 s the first time, nothing after. Where there is no compiler or the build
-fails, it warns once and returns None, and the callers run their torch code, the
-same results more slowly. ``FP8RL_KERNELS=0`` in the environment does the same
+keyed by the source, the compiler, the flags and the CPU, and loads it with ctypes:
+about 5 s the first time, nothing after. Where there is no compiler or the build
+fails, it warns once and returns None, and the callers run their torch code, more
+slowly: the quantization's bits, attention in torch's arithmetic (``attention``
+defines its own; rollout == training holds either way). ``FP8RL_KERNELS=0`` in the environment does the same
 without the warning. Not ``torch.utils.cpp_extension``: anything that includes
 torch's headers took 51 s to build on these 2 cores (benchmarks/README.md);
 plain C with no headers but the C library builds in a fraction of a second.
@@ -41,6 +42,11 @@ import torch
 SOURCE = Path(__file__).with_name("kernels.c")
 # IEEE semantics kept: no -ffast-math (reciprocals, reassociation), no FMA contraction.
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC")
+# Tried first: the attention kernel's parallel loop. The library then needs libgomp.so.1, which
+# torch's CPU wheels have loaded already (torch/lib/libgomp.so.1), so the loop runs on torch's
+# own OpenMP threads (a second runtime's threads would fight torch's spinning workers for the
+# cores). A compiler without OpenMP gets the plain flags: the same bits on one thread.
+OPENMP_FLAGS = ("-fopenmp",)
 ENV_SWITCH = "FP8RL_KERNELS"
 CPU = torch.device("cpu")
 
@@ -68,12 +74,12 @@ def _compiler() -> str | None:
     return next((path for path in map(shutil.which, names) if path), None)
 
 
-def _build(cc: str) -> Path:
-    """The library for this source, compiler and CPU, built if not cached. Written to
-    a temporary name and renamed, so processes building at once (ranks) never load a
+def _build(cc: str, flags: tuple[str, ...]) -> Path:
+    """The library for this source, compiler, flags and CPU, built if not cached. Written
+    to a temporary name and renamed, so processes building at once (ranks) never load a
     half-written file."""
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(CFLAGS).encode(), _cpu_id().encode()]))
+    key = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(flags).encode(), _cpu_id().encode()]))
     folder = cache_dir() / "kernels"
     lib = folder / f"fp8rl-kernels-{key.hexdigest()[:16]}.so"
     if lib.is_file():
@@ -82,7 +88,7 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=lib.name + ".tmp-")
     os.close(fd)
     try:
-        done = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
+        done = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             first = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[0]
             raise RuntimeError(f"{Path(cc).name} failed: {first[:200]}")
@@ -103,10 +109,13 @@ def library() -> ctypes.CDLL | None:
     try:
         if cc is None:
             raise RuntimeError("no C compiler found (cc, gcc, clang; or set CC)")
-        lib = ctypes.CDLL(str(_build(cc)))
+        try:
+            lib = ctypes.CDLL(str(_build(cc, CFLAGS + OPENMP_FLAGS)))
+        except (OSError, RuntimeError, subprocess.SubprocessError):
+            lib = ctypes.CDLL(str(_build(cc, CFLAGS)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         warnings.warn(f"fp8rl: compiled CPU kernels unavailable ({e}); the FP8 activation quantization runs "
-                      f"as torch ops instead (the same results, slower). {ENV_SWITCH}=0 silences this.",
+                      f"and attention run as torch ops instead (slower). {ENV_SWITCH}=0 silences this.",
                       RuntimeWarning, stacklevel=2)
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -118,7 +127,11 @@ def library() -> ctypes.CDLL | None:
     lib.fp8rl_dequantize_blocks.argtypes = [ptr, ptr, i64, i64, i64, i64, ctypes.c_int, ptr]
     lib.fp8rl_attention.restype = None
     lib.fp8rl_attention.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, ptr, *[i64] * 6, ptr, *[i64] * 9,
-                                    ctypes.c_float, ctypes.c_float, ptr, ptr]
+                                    ctypes.c_float, ctypes.c_float, ptr, ptr, ctypes.c_int]
+    lib.fp8rl_rope_store.restype = None
+    lib.fp8rl_rope_store.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, ptr, *[i64] * 5, ctypes.c_int, ptr,
+                                     ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, i64, i64, i64, i64,
+                                     ctypes.c_int]
     return lib
 
 
@@ -243,8 +256,59 @@ def attention(
             *[s.data_ptr() if s is not None else None for s in scales],
             kt.stride(0), kt.stride(1), kt.stride(2), v.stride(0), v.stride(1), v.stride(2),
             mask.data_ptr(), mask.stride(0), mask.stride(1))
-    # One thread: torch's OpenMP workers spin between ops, so a second thread of ours only
-    # shared a core with one (no gain measured; 1.8x with OMP_WAIT_POLICY=passive).
-    work = torch.empty(4 * chunks)  # the kernel's scratch: 4 rows of scores
-    lib.fp8rl_attention(*args, 0, B, H, Hkv, T, D, length, scale, p_scale, out.data_ptr(), work.data_ptr())
+    # torch's thread count: the kernel's OpenMP loop runs on torch's own workers (OPENMP_FLAGS).
+    threads = max(1, torch.get_num_threads())
+    work = torch.empty(threads * 4 * chunks)  # the kernel's scratch: 4 rows of scores per thread
+    lib.fp8rl_attention(*args, 0, B, H, Hkv, T, D, length, scale, p_scale, out.data_ptr(), work.data_ptr(),
+                        threads)
+    return out
+
+
+# How `rope_store` stores the query heads (transformer.store_heads's precisions).
+Q_MODES = {"fp32": 0, "bf16": 1, "fp8": 2}
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x [B, T, H, D]`` as FP32 rows ``[B * T, H * D]`` with D contiguous (a view where it can be)."""
+    B, T, H, D = x.shape
+    x = x.float()
+    if x.stride(-1) != 1 or x.stride(-2) != D or x.stride(0) != T * x.stride(1):
+        x = x.contiguous()
+    return x.view(B * T, H * D) if x.is_contiguous() else x.as_strided((B * T, H * D), (x.stride(1), 1))
+
+
+def rope_store(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin_rot: torch.Tensor,
+    q_precision: str, q_scale: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+    kt: torch.Tensor, v_cache: torch.Tensor, start: int,
+) -> torch.Tensor:
+    """``fp8rl_rope_store`` (kernels.c): the rotary embedding of ``q [B, T, H, D]`` and
+    ``k [B, T, Hkv, D]`` (``cos``, ``sin_rot`` ``[B, 1, T, D]``, ``Transformer.rope``'s),
+    ``q`` stored in ``q_precision`` at its per-head ``q_scale`` (FP8) and returned as FP32
+    ``[B, H, T, D]``; the rotated ``k`` and ``v [B, T, Hkv, D]`` written at slots
+    ``[start, start + T)`` of a fused KV cache layer (``kt`` BF16 ``[B, Hkv, D, *]``,
+    ``v_cache`` BF16 ``[B, Hkv, *, D]``): their BF16 values, or with ``k_scale`` and
+    ``v_scale`` their E4M3 values at those per-head scales. The bits of transformer.py's
+    torch code (``apply_rope``, ``store_heads``, ``quant.e4m3_values``) in one call. Call
+    only where ``attention_available(D)``."""
+    lib = library()
+    B, T, H, D = q.shape
+    Hkv = k.shape[2]
+    if kt.dtype != torch.bfloat16 or v_cache.dtype != torch.bfloat16 or D > 1024:
+        raise ValueError(f"rope_store: a BF16 cache and a head size up to 1024, got {kt.dtype}, {v_cache.dtype}, D={D}")
+    if kt.stride(-1) != 1 or v_cache.stride(-1) != 1 or start + T > v_cache.shape[2]:
+        raise ValueError(f"rope_store: slots [{start}, {start + T}) do not fit the cache {tuple(v_cache.shape)}")
+    qr, kr, vr = _rows(q), _rows(k), _rows(v)
+    cos, sin_rot = cos.float().contiguous(), sin_rot.float().contiguous()
+    if cos.numel() != B * T * D or sin_rot.numel() != B * T * D:
+        raise ValueError(f"rope_store: cos and sin need {B} x {T} x {D} values, got {tuple(cos.shape)}")
+    fp8 = k_scale is not None
+    scales = [s.float().contiguous() if s is not None else None for s in (q_scale, k_scale, v_scale)]
+    out = torch.empty(B, H, T, D)
+    lib.fp8rl_rope_store(qr.data_ptr(), kr.data_ptr(), vr.data_ptr(), qr.stride(0), kr.stride(0), vr.stride(0),
+                         cos.data_ptr(), sin_rot.data_ptr(), B, T, H, Hkv, D, Q_MODES[q_precision],
+                         scales[0].data_ptr(), int(fp8), *[s.data_ptr() if s is not None else None for s in scales[1:]],
+                         out.data_ptr(), kt.data_ptr(), kt.stride(0), kt.stride(1), kt.stride(2),
+                         v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), start,
+                         max(1, torch.get_num_threads()))
     return out

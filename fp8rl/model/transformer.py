@@ -44,7 +44,7 @@ from fp8rl.fp8 import kernels
 from fp8rl.fp8.backends import Backend
 from fp8rl.fp8.formats import E4M3_MAX
 from fp8rl.fp8.linear import linears_of_one_input
-from fp8rl.fp8.quant import DerivedCache, dequantize_static, e4m3_values
+from fp8rl.fp8.quant import DerivedCache, dequantize_static
 from fp8rl.precision import FULL_PRECISION_ATTENTION, FULL_PRECISION_HEAD, AttentionPlan, FlowPlan, HeadPlan
 
 from .config import ModelConfig
@@ -397,26 +397,34 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
+        if getattr(ctx.cache, "fused", False) and ctx.amax is None:  # a rollout step on the fused kernel's cache
+            out = self._attend_fused_cache(q, k, v, cos, sin, ctx)
+        else:
+            out = self._attend(q, k, v, cos, sin, ctx)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        ctx: AttentionContext,
+    ) -> torch.Tensor:
+        """Attention of q [B, T, H, D], k, v [B, T, Hkv, D] (before RoPE) -> [B, H, T, D]: the
+        training forward's and every step whose cache is not the fused kernel's."""
+        T = q.shape[1]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if ctx.amax is not None:  # per-token, per-head amax for scale calibration
             rec = ctx.amax.setdefault(self.layer_idx, {"q": [], "k": [], "v": []})
             for name, t in (("q", q), ("k", k), ("v", v)):
                 rec[name].append(t.detach().abs().amax(dim=-1).transpose(1, 2).reshape(-1, t.shape[1]))
-
         plan = self.attention_plan
         q_val = store_heads(q, plan.qp, self.q_scale)
-        L = ctx.cache_len
-        if getattr(ctx.cache, "fused", False):  # a rollout's cache in the fused kernel's layout
-            out = self._attend_fused_cache(q_val, k, v, ctx)
-            return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
         k_val = store_heads(k, plan.kv, self.k_scale)
         v_val = store_heads(v, plan.kv, self.v_scale)
+        L = ctx.cache_len
         if fused_attention_on(plan, self.head_dim) and ctx.cache is None:
             if ctx.start != 0:
                 raise ValueError("a forward without a KV cache must start at slot 0")
-            out = attend(q_val, k_val, v_val, ctx.blocked, plan, ctx.kernel_mask())  # keys past T: never read
-            return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+            return attend(q_val, k_val, v_val, ctx.blocked, plan, ctx.kernel_mask())  # keys past T: never read
         if ctx.cache is not None:
             k_all, v_all = ctx.cache.update(self.layer_idx, ctx.start, k_val, v_val)
             if k_all.shape[2] != L:  # a decode step reads only the slots its context covers (`key_slots`)
@@ -426,20 +434,25 @@ class Attention(nn.Module):
                 raise ValueError("a forward without a KV cache must start at slot 0")
             k_all = F.pad(k_val, (0, 0, 0, L - T))  # zero keys beyond T are masked
             v_all = F.pad(v_val, (0, 0, 0, L - T))
-        out = attend(q_val, k_all, v_all, ctx.blocked, plan, ctx.kernel_mask() if ctx.cache is not None else None)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        return attend(q_val, k_all, v_all, ctx.blocked, plan, ctx.kernel_mask() if ctx.cache is not None else None)
 
-    def _attend_fused_cache(self, q_val: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        """Attention of a rollout step (no graph) on a cache that holds BF16 K (transposed) and
-        V: the kernel reads them directly. BF16 K/V are written as such (the conversion rounds
-        as `store_heads`); FP8 ones as their E4M3 values, exact in BF16, the kernel applying
-        the per-head scales as `store_heads` does. The same bits as `attend` on the stored
-        FP32 values (the training forward)."""
+    def _attend_fused_cache(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        ctx: AttentionContext,
+    ) -> torch.Tensor:
+        """`_attend` of a rollout step (no graph) on a cache that holds BF16 K (transposed) and
+        V, in two compiled calls: `kernels.rope_store` (RoPE, Q's storage rounding, K/V
+        written as BF16, or as their E4M3 values under FP8 storage, with `_attend`'s bits)
+        and the attention kernel reading the cache directly (applying FP8 K/V's per-head
+        scales as `store_heads` does). The same bits as `_attend` on the stored FP32 values
+        (the training forward)."""
         plan = self.attention_plan
         fp8 = plan.kv == "fp8"
-        if fp8:
-            k, v = e4m3_values(k, self.k_scale.view(1, -1, 1, 1)), e4m3_values(v, self.v_scale.view(1, -1, 1, 1))
-        kt_all, v_all = ctx.cache.update_transposed(self.layer_idx, ctx.start, k, v)
+        kt_all, v_all = ctx.cache.fused_layer(self.layer_idx, ctx.start, q.shape[1])
+        q_val = kernels.rope_store(
+            q, k, v, cos, sin, plan.qp, self.q_scale, self.k_scale if fp8 else None, self.v_scale if fp8 else None,
+            kt_all, v_all, ctx.start,
+        )
         return kernels.attention(
             q_val, kt_all, v_all, ctx.kernel_mask(), ctx.cache_len, 1.0 / math.sqrt(self.head_dim),
             k_scale=self.k_scale if fp8 else None, v_scale=self.v_scale if fp8 else None,

@@ -92,18 +92,11 @@ class KVCache:
         self.v[layer][:, :, start : start + T] = v
         return self.k[layer], self.v[layer]
 
-    def update_transposed(
-        self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A fused cache's `update`: write K/V [B, H, T, D] (FP32, converted to the stored
-        dtype: BF16 rounds to nearest even, as `transformer.store_heads`; for FP8 the E4M3
-        values before their scales, exact in BF16) at slots [start, start+T); return this
-        layer's K transposed [B, H, D, slots] and V [B, H, cache_len, D]."""
-        T = k.shape[2]
-        if start + T > self.cache_len:
-            raise ValueError(f"KV cache overflow: slots [{start}, {start + T}) exceed cache_len {self.cache_len}")
-        self.k[layer][:, :, :, start : start + T] = k.transpose(-1, -2)
-        self.v[layer][:, :, start : start + T] = v
+    def fused_layer(self, layer: int, start: int, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A fused cache's layer, for `n_tokens` new slots from `start` (written by
+        `kernels.rope_store`): K transposed [B, H, D, slots] and V [B, H, cache_len, D], BF16."""
+        if start + n_tokens > self.cache_len:
+            raise ValueError(f"KV cache overflow: slots [{start}, {start + n_tokens}) exceed cache_len {self.cache_len}")
         return self.k[layer], self.v[layer]
 
     def keep_rows(self, rows: torch.Tensor) -> None:

@@ -249,8 +249,8 @@ def _row_gemm(w: torch.Tensor, cache: dict):
     if _prepacked_available():
         if "amx_packed" not in cache:
             cache["amx_packed"] = torch.ops.mkldnn._reorder_linear_weight(w, _NATIVE_ROWS)
-        packed = cache["amx_packed"]
-        return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        packed, linear = cache["amx_packed"], torch.ops.mkldnn._linear_pointwise.default  # the overload: no lookup per call
+        return lambda x: linear(x, packed, None, "none", [], "")
     if "amx_t" not in cache:
         cache["amx_t"] = w.T.contiguous()
     w_t = cache["amx_t"]
@@ -500,23 +500,25 @@ def _native_rows(a: torch.Tensor, w: torch.Tensor, invariant: bool, cache: dict)
         if "amx_t" not in cache:
             cache["amx_t"] = w.T.contiguous()
         return (a.to(w.dtype) @ cache["amx_t"]).float()
-    gemm = _row_gemm(w, cache)
-    m, k = a.shape
-    tiles = _native_row_tiles(k, w.shape[0])
+    entry = cache.get("amx_rows")  # what every call on this weight reads: made once
+    if entry is None:
+        entry = cache["amx_rows"] = (_row_gemm(w, cache), _native_row_tiles(w.shape[1], w.shape[0]))
+    gemm, tiles = entry
+    m = a.shape[0]
     if m > tiles.small:
         return _tiled_rows(a.to(w.dtype), tiles, gemm, torch.float32)
-    if ("rows_in", tiles.small) not in cache:
+    buf = cache.get("rows_in")
+    if buf is None:
         # A normal tensor even when made in the rollout's inference mode: the training
         # forward (with a graph, outside it) writes into it too.
         with torch.inference_mode(False):
-            cache[("rows_in", tiles.small)] = w.new_zeros(tiles.small, k)
-        cache[("rows_used", tiles.small)] = 0
-    buf = cache[("rows_in", tiles.small)]
+            buf = cache["rows_in"] = w.new_zeros(tiles.small, w.shape[1])
+        cache["rows_used"] = 0
     buf[:m].copy_(a)
-    used = cache[("rows_used", tiles.small)]  # rows past this are zero already: only the last call's rest is zeroed
+    used = cache["rows_used"]  # rows past this are zero already: only the last call's rest is zeroed
     if used > m:
         buf[m:used].zero_()
-    cache[("rows_used", tiles.small)] = m
+    cache["rows_used"] = m
     return gemm(buf)[:m].float()
 
 

@@ -114,7 +114,7 @@ def library() -> ctypes.CDLL | None:
         except (OSError, RuntimeError, subprocess.SubprocessError):
             lib = ctypes.CDLL(str(_build(cc, CFLAGS)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        warnings.warn(f"fp8rl: compiled CPU kernels unavailable ({e}); the FP8 activation quantization runs "
+        warnings.warn(f"fp8rl: compiled CPU kernels unavailable ({e}); the FP8 quantization "
                       f"and attention run as torch ops instead (slower). {ENV_SWITCH}=0 silences this.",
                       RuntimeWarning, stacklevel=2)
         return None

@@ -89,22 +89,25 @@ class _Call:
 
 
 def _fprop(
-    x: torch.Tensor, bias: torch.Tensor | None, call: _Call, xq: QTensor | torch.Tensor | None,
+    x: torch.Tensor, bias: torch.Tensor | None, call: _Call | None, xq: QTensor | torch.Tensor | None,
     product: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The forward GEMM: x ``[..., K]`` -> y ``[..., N]`` in x's dtype. The one
     code path of rollout, scoring and the training forward. ``xq``: x's FP8
     form (``_quantized_input``) if another linear of the same input made it;
     ``product``: the FP32 ``[T, N]`` GEMM result if a stacked call of the linears
-    of this input made it (``Backend.fp8_linear_group``, the same bits)."""
-    plan = call.plan
-    x2 = x.reshape(-1, x.shape[-1])  # [T, K]
+    of this input made it (``Backend.fp8_linear_group``, the same bits; ``call``
+    is then not read and may be None)."""
     if product is not None:
         y = product
-    elif plan.fprop == "fp8":
+    elif call is None:
+        raise ValueError("_fprop needs the layer's call (plan and weight forms) to run its GEMM")
+    elif call.plan.fprop == "fp8":
+        plan = call.plan
+        x2 = x.reshape(-1, x.shape[-1])  # [T, K]
         y = plan.backend.fp8_linear(_quantized_input(x2, plan, call.name) if xq is None else xq, call.qweight)
     else:
-        y = plan.backend.bf16_matmul(x2, call.weight_bf16, call.bf16_caches[0])
+        y = call.plan.backend.bf16_matmul(x.reshape(-1, x.shape[-1]), call.weight_bf16, call.bf16_caches[0])
     if bias is not None:
         y = y + bias.float()
     if y.dtype != x.dtype:
@@ -298,9 +301,12 @@ class FP8Linear(nn.Module):
         one was made for another linear of this input; ``product``: this layer's FP32
         GEMM result ``[T, N]`` from their stacked call (both by ``linears_of_one_input``;
         the backward is this layer's own either way)."""
+        grad = torch.is_grad_enabled()
+        if product is not None and not grad:  # a rollout step: the group's GEMM ran on fresh weights
+            return _fprop(x, self.bias, None, xq, product)
         self.ensure_fresh()
         call = _Call(self.plan, self.qweight, self.weight_bf16, self._bf16_caches, self.name, self.transport_counts)
-        if not torch.is_grad_enabled():  # rollout / scoring: no autograd node to build
+        if not grad:  # rollout / scoring: no autograd node to build
             return _fprop(x, self.bias, call, xq, product)
         return _FP8LinearFn.apply(x, self.weight, self.bias, call, xq, product)
 

@@ -324,13 +324,22 @@ def _measure_row_tiles(
 _FALLBACK_TILES = RowTiles((_NATIVE_ROWS,))
 
 
+# oneDNN's BF16 linear sums in one order for more than 32 rows and in others for 2 to 32
+# (measured 2026-12-06 on a 2-core Intel Xeon with AMX: every M from 33 to 128 gave the
+# 128-row bits at K = 576, from 37 at K = 1536), and a call's cost grows with its 16-row
+# AMX tiles: 33-40 rows cost little more than 16 (the 30 layers' GEMMs of SmolLM2 14.4 ms
+# against 21.7 ms at 64 rows and 12.9 ms at 16). Hence the candidates just above 32.
+_NATIVE_TILE_CANDIDATES = (128, 64, 48, 40, 36, 33, 32, 16)
+
+
 @functools.lru_cache(maxsize=None)
 def _native_row_tiles(k: int, n: int) -> RowTiles:
     """``_measure_row_tiles`` of ``_row_gemm`` for a BF16 ``[N=n, K=k]`` weight,
-    measured once per shape on this CPU."""
+    measured once per shape on this CPU (``_NATIVE_TILE_CANDIDATES``)."""
     g = torch.Generator().manual_seed(k * 100_003 + n)
     a = order_sensitive_rows(192, k, g).bfloat16()
-    return _measure_row_tiles(_row_gemm(order_sensitive_cols(n, k, g).bfloat16(), {}), a) or _FALLBACK_TILES
+    gemm = _row_gemm(order_sensitive_cols(n, k, g).bfloat16(), {})
+    return _measure_row_tiles(gemm, a, _NATIVE_TILE_CANDIDATES) or _FALLBACK_TILES
 
 
 @functools.lru_cache(maxsize=None)

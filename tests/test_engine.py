@@ -238,6 +238,29 @@ def test_fp8_kv_cache_is_half_of_bf16():
     assert fp8.nbytes / bf16.nbytes <= 0.51
 
 
+def test_fp32_kv_storage_keeps_the_unfused_cache_and_rollout_equals_training():
+    """The fused cache stores BF16 or FP8 (what `kernels.rope_store` writes); attention
+    plans with FP32 K/V on a kernel backend keep the FP32 cache, and the kernel reads it:
+    the rollout's log-probs are still the training forward's, bit for bit."""
+    from fp8rl.fp8.kernels import attention_available
+    from fp8rl.precision import AttentionPlan
+
+    with pytest.raises(ValueError, match="fused KV cache stores"):
+        KVCache(2, 2, 2, 32, 32, "fp32", fused=True)
+    model = tiny_model()
+    apply_flow(model, "bf16", "cpu")
+    for layer in model.model.layers:
+        layer.self_attn.attention_plan = AttentionPlan("fp32", "fp32", BACKENDS["cpu"])
+    assert not KVCache.for_model(model, 2, 32).fused
+    if not attention_available(model.config.head_dim):
+        pytest.skip("no compiled kernels here")
+    prompts = [[5, 6, 7], [8, 9]]
+    out = generate(model, prompts, SamplingParams(max_new_tokens=6), eos_ids=[], pad_id=0, seeds=[1, 2])
+    train_logp, _ = score(model, out)
+    m = out.completion_mask
+    assert torch.equal(train_logp[m], out.logprobs[m])
+
+
 def test_same_seed_same_sample_regardless_of_batch():
     model = tiny_model()
     apply_flow(model, PRESETS["jet"], backend="reference")

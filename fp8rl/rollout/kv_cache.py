@@ -21,8 +21,9 @@ import torch
 from fp8rl.model.transformer import fused_attention_on
 
 STORAGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
-# What a fused cache holds per element: BF16 values, or the E4M3 values (exact in BF16) of FP8.
-FUSED_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
+# What a fused cache holds per element: BF16 values, or the E4M3 values (exact in BF16) of FP8
+# (`kernels.rope_store` writes these two; FP32 storage keeps the unfused layout).
+FUSED_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.bfloat16}
 
 
 class KVCache:
@@ -43,6 +44,8 @@ class KVCache:
             raise ValueError(f"unknown KV cache precision {precision!r}; valid: {', '.join(STORAGE_DTYPES)}")
         if precision == "fp8" and (k_scales is None or v_scales is None):
             raise ValueError("an FP8 KV cache needs per-layer K and V scales")
+        if fused and precision not in FUSED_DTYPES:
+            raise ValueError(f"a fused KV cache stores {' or '.join(FUSED_DTYPES)}, not {precision!r}")
         self.precision = precision
         self.cache_len = cache_len
         self.shape = (batch, n_kv_heads, cache_len, head_dim)
@@ -77,7 +80,7 @@ class KVCache:
             k_scales=[a.k_scale for a in attns] if fp8 else None,
             v_scales=[a.v_scale for a in attns] if fp8 else None,
             device=model.device,
-            fused=all(fused_attention_on(a.attention_plan, c.head_dim) for a in attns),
+            fused=plan.kv in FUSED_DTYPES and all(fused_attention_on(a.attention_plan, c.head_dim) for a in attns),
         )
 
     def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

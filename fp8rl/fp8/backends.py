@@ -325,7 +325,7 @@ _FALLBACK_TILES = RowTiles((_NATIVE_ROWS,))
 
 
 # oneDNN's BF16 linear sums in one order for more than 32 rows and in others for 2 to 32
-# (measured 2026-12-06 on a 2-core Intel Xeon with AMX: every M from 33 to 128 gave the
+# (measured 2026-12-06 on a 2-core Intel Xeon with AMX: every M from 33 to 64 gave the
 # 128-row bits at K = 576, from 37 at K = 1536), and a call's cost grows with its 16-row
 # AMX tiles: 33-40 rows cost little more than 16 (the 30 layers' GEMMs of SmolLM2 14.4 ms
 # against 21.7 ms at 64 rows and 12.9 ms at 16). Hence the candidates just above 32.

@@ -140,13 +140,13 @@ def qdq_rows(x: torch.Tensor, bk: int, ue8m0: bool, amax_floor: float) -> torch.
     as FP32 ``[..., K]`` by ``fp8rl_qdq_rows``; None (the caller runs its torch code) for a
     tensor off the CPU, an empty one, or where the kernels are unavailable.
     Raises ValueError if ``x`` holds NaN or Inf (the caller names the tensor)."""
-    if x.device != CPU or x.numel() == 0:
+    if not x.is_cpu or x.numel() == 0:
         return None
     lib = library()
     if lib is None:
         return None
     k = x.shape[-1]
-    x2 = x.reshape(-1, k)  # [T, K]
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)  # [T, K]
     if x2.dtype != torch.float32 or (x2.stride(-1) != 1 and k > 1) or x2.stride(0) < k:
         x2 = x2.float().contiguous()
     # The torch code's layout too: a ragged K is the first K columns of whole blocks, so that

@@ -291,6 +291,8 @@ class FP8Linear(nn.Module):
     def quantized_input(self, x: torch.Tensor) -> QTensor | torch.Tensor:
         """``x`` ``[..., K]`` quantized as this layer's FP8 forward would, for ``forward(x, xq)``
         of the linears with the same ``input_key`` (values only: no graph)."""
+        if not torch.is_grad_enabled():  # a rollout step: nothing to detach from
+            return _quantized_input(x.reshape(-1, x.shape[-1]), self.plan, self.name)
         with torch.no_grad():  # the backward requantizes from the saved x
             return _quantized_input(x.detach().reshape(-1, x.shape[-1]), self.plan, self.name)
 

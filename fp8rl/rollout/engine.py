@@ -256,7 +256,7 @@ def sample_next(
     if params.temperature == 0:
         tok = logits.argmax(dim=-1)
         return tok, logp.gather(-1, tok[:, None])[:, 0]
-    filtered = logp.clone()
+    filtered = logp  # masked below out of place: logp itself is returned unchanged
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
         kth = torch.topk(filtered, params.top_k, dim=-1).values[:, -1:]
         filtered = filtered.masked_fill(filtered < kth, float("-inf"))
@@ -267,8 +267,8 @@ def sample_next(
         drop_sorted = (probs.cumsum(-1) - probs) >= params.top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         filtered = filtered.masked_fill(drop, float("-inf"))
-    gumbel = -torch.log(-torch.log(noise.clamp(min=1e-20)))
-    tok = (filtered + gumbel).argmax(dim=-1)
+    gumbel = noise.clamp(min=1e-20).log_().neg_().log_().neg_()  # -log(-log(u)), in one new tensor
+    tok = gumbel.add_(filtered).argmax(dim=-1)  # filtered + gumbel: the same sum
     return tok, logp.gather(-1, tok[:, None])[:, 0]
 
 

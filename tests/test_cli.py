@@ -433,6 +433,17 @@ def test_argparse_errors_exit_2(capsys):
     assert exc.value.code == 2
 
 
+def test_bench_rollout_repeats_report_the_median():
+    """benchmarks/rollout.py --repeats N: N timed rollouts after the warm-up, the median reported."""
+    from fp8rl.bench import bench_rollout
+
+    r = bench_rollout("tiny-arith", "bf16", "cpu", [[5, 6, 7], [8, 9]], 3, 0, repeats=3)
+    assert len(r["all_seconds"]) == 3 and r["seconds"] == sorted(r["all_seconds"])[1]
+    assert r["tokens_per_s"] == r["tokens"] / r["seconds"]
+    with pytest.raises(ValueError, match="repeats"):
+        bench_rollout("tiny-arith", "bf16", "cpu", [[5]], 1, 0, repeats=0)
+
+
 def test_bench_reports_each_flow(capsys):
     rc, out, err = cli(capsys, "bench", "--model", "tiny-arith", "--flows", "bf16,jet-kv", "--batch", "2",
                        "--max-new-tokens", "4", "--json")

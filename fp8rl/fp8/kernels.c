@@ -52,6 +52,13 @@ static inline float round_e4m3(float y) {
     return (y + magic) - magic;
 }
 
+/* FP32 -> BF16 bits, to nearest even as torch's conversion; NaN becomes torch's scalar NaN. */
+static inline uint16_t bf16_bits(float f) {
+    const uint32_t u = f32_bits(f);
+    const uint16_t rounded = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    return (u & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)0x7FC0u : rounded; /* a select: the loops vectorize */
+}
+
 /* quant.py's quantize_dequantize on FP32 rows: out[r, :] = the E4M3 1 x bk block
    quantization of x[r, :], dequantized, for rows r < rows of k elements
    (row strides ldx, ldo in elements; the last block of a row may be partial).
@@ -138,8 +145,7 @@ void fp8rl_dequantize_blocks(const uint8_t *codes, const float *scales, int64_t 
             if (bf16) {
                 uint16_t *o = (uint16_t *)out + r * k + c0;
                 for (int64_t j = 0; j < n; j++) {
-                    const uint32_t u = f32_bits(table[cr[c0 + j]] * s);
-                    o[j] = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+                    o[j] = bf16_bits(table[cr[c0 + j]] * s);
                 }
             } else {
                 float *o = (float *)out + r * k + c0;
@@ -379,18 +385,10 @@ void fp8rl_attention(const float *q, const void *kt, const void *v, int bf16, co
    kt        BF16 keys transposed [B, Hkv, D, *] (strides kt_b, kt_h, kt_d), vc BF16 values
              [B, Hkv, *, D] (strides v_b, v_h, v_l). NaN becomes torch's scalar NaN (0x7FC0). */
 
-static inline uint16_t bf16_bits(float f) {
-    const uint32_t u = f32_bits(f);
-    const uint16_t rounded = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-    return (u & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)0x7FC0u : rounded; /* a select: the loops vectorize */
-}
-
 /* quant.e4m3_values of one FP32 value at scale s: clamp(x / s, -448, 448) on the E4M3 grid
    (round_e4m3), with the sign of x (a negative value that rounds to zero keeps its sign). */
 static inline float e4m3_value(float x, float s) {
-    float y = x / s;
-    y = y < -E4M3_MAX ? -E4M3_MAX : (y > E4M3_MAX ? E4M3_MAX : y);
-    const uint32_t mag = f32_bits(round_e4m3(y)) & 0x7FFFFFFFu;
+    const uint32_t mag = f32_bits(round_e4m3(x / s)) & 0x7FFFFFFFu; /* round_e4m3 clamps first */
     return f32_from_bits(mag | (f32_bits(x) & 0x80000000u));
 }
 

@@ -15,7 +15,8 @@ from fp8rl.model.transformer import Transformer, key_prefix_exact, make_context
 from fp8rl.precision import PRESETS, apply_flow, refresh_weights
 from fp8rl.rl.metrics import mismatch_metrics
 from fp8rl.rollout.calibrate import calibrate
-from fp8rl.rollout.engine import RowNoise, SamplingParams, generate, left_pad, score
+from fp8rl.rollout import engine
+from fp8rl.rollout.engine import RowNoise, SamplingParams, generate, left_pad, score, token_entropy, token_logprobs
 from fp8rl.rollout.kv_cache import KVCache
 
 VOCAB = 97
@@ -296,6 +297,37 @@ def test_row_noise_draws_what_a_draw_per_row_and_step_draws(vocab: int, max_floa
         got = noise.next()
         want = torch.stack([torch.rand(vocab, generator=one_by_one[r]) for r in running])
         assert got.is_contiguous() and torch.equal(got, want), t
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk_rows", [1, 3, 1000])  # one row per pass, a ragged last chunk, one pass
+def test_token_logprobs_are_the_unfused_ops_bit_for_bit(dtype, temperature: float, chunk_rows: int, monkeypatch):
+    """`token_logprobs` runs log_softmax -> gather (and the entropy) a chunk of rows at a
+    time, with its own backward: log-probs, entropies and the logits' gradient must be,
+    bit for bit, what the unfused ops over all rows and torch's autograd give."""
+    N, V = 37, 1000
+    monkeypatch.setattr(engine, "LOGPROB_CHUNK_BYTES", chunk_rows * V * torch.finfo(dtype).bits // 8)
+    g = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(N, V, generator=g)).to(dtype)
+    target = torch.randint(0, V, (N,), generator=g)
+    grad_out = torch.randn(N, generator=g).to(dtype)
+
+    x = logits.clone().requires_grad_()
+    ls = torch.log_softmax(x / temperature if temperature != 1.0 else x, dim=-1)
+    want_logp = ls.gather(-1, target[:, None])[:, 0]
+    want_entropy = token_entropy(ls.detach())
+    want_logp.backward(grad_out)
+
+    y = logits.clone().requires_grad_()
+    logp, entropy = token_logprobs(y, target, temperature, with_entropy=True)
+    logp.backward(grad_out)
+    assert torch.equal(logp, want_logp) and torch.equal(entropy, want_entropy)
+    assert not entropy.requires_grad
+    assert torch.equal(y.grad, x.grad)
+    assert token_logprobs(logits, target, temperature)[1] is None
+    with pytest.raises(ValueError, match="logits \\[N, V\\] and target \\[N\\]"):
+        token_logprobs(logits, target[:-1])
 
 
 @pytest.mark.parametrize("flow", ["jet", "jet-kv"])

@@ -167,6 +167,76 @@ def token_entropy(logp: torch.Tensor) -> torch.Tensor:
     return -(p * logp.clamp(min=torch.finfo(logp.dtype).min)).sum(-1)
 
 
+# Rows per pass of `token_logprobs`: a chunk's vocabulary-sized temporaries stay near
+# 8 MiB, small enough to be reused from the heap (fp8rl/allocator.py) instead of mapped
+# and page-faulted afresh, and to stay in cache between the passes over them.
+LOGPROB_CHUNK_BYTES = 8 << 20
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """`token_logprobs`' forward and backward, one chunk of rows at a time."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, temperature: float,
+                with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        N, V = logits.shape
+        logp = torch.empty(N, dtype=logits.dtype, device=logits.device)
+        entropy = torch.empty(N if with_entropy else 0, dtype=logits.dtype, device=logits.device)
+        for rows in _row_chunks(N, V, logits.element_size()):
+            ls = _log_softmax(logits[rows], temperature)
+            logp[rows] = ls.gather(-1, target[rows, None])[:, 0]
+            if with_entropy:
+                entropy[rows] = token_entropy(ls)
+        ctx.save_for_backward(logits, target)
+        ctx.temperature = temperature
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp: torch.Tensor, _grad_entropy: torch.Tensor):
+        # torch's own backward of log_softmax -> gather (-> / temperature), row by row:
+        # the log-softmax is recomputed per chunk (same bits) instead of kept [N, V].
+        logits, target = ctx.saved_tensors
+        N, V = logits.shape
+        grad = torch.empty_like(logits)
+        for rows in _row_chunks(N, V, logits.element_size()):
+            ls = _log_softmax(logits[rows], ctx.temperature)
+            g_ls = torch.zeros_like(ls).scatter_add_(-1, target[rows, None], grad_logp[rows, None])
+            g = torch._log_softmax_backward_data(g_ls, ls, -1, ls.dtype)
+            grad[rows] = g / ctx.temperature if ctx.temperature != 1.0 else g
+        return grad, None, None, None
+
+
+def _row_chunks(n: int, width: int, itemsize: int) -> list[slice]:
+    step = max(1, LOGPROB_CHUNK_BYTES // (width * itemsize))
+    return [slice(i, min(i + step, n)) for i in range(0, n, step)]
+
+
+def _log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
+
+
+def token_logprobs(
+    logits: torch.Tensor, target: torch.Tensor, temperature: float = 1.0, *, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of each target token and (optionally) each distribution's entropy:
+    logits [N, V] float, target [N] long -> (logp [N], entropy [N] or None).
+
+    ``logp[i] = log_softmax(logits[i] / temperature)[target[i]]``, bit for bit what
+    `sample_next` records and what ``log_softmax(...).gather(...)`` over all rows
+    gives (the log-softmax of a row does not depend on the other rows); its
+    gradient is torch's backward of those ops, the same bits. The difference is
+    memory traffic: rows go in chunks of about LOGPROB_CHUNK_BYTES, so no
+    vocabulary-sized [N, V] log-softmax, entropy temporaries or one-hot gradient
+    is ever allocated; the backward recomputes each chunk's log-softmax. The
+    entropy (`token_entropy`, a metric) carries no graph."""
+    if logits.dim() != 2 or target.shape != logits.shape[:1]:
+        raise ValueError(f"token_logprobs wants logits [N, V] and target [N], got {tuple(logits.shape)} "
+                         f"and {tuple(target.shape)}")
+    logp, entropy = _TokenLogprobs.apply(logits, target, float(temperature), with_entropy)
+    return logp, entropy if with_entropy else None
+
+
 def default_cache_len(prompt_len: int, max_new_tokens: int) -> int:
     """Key slots for a rollout: rounded up to a multiple of KEY_SLOT_STEP (16) so
     vectorised reductions over the key axis never take a scalar tail path."""
@@ -427,16 +497,16 @@ def score(
             logits = model(tokens, ctx, head_span=(P - 1, S - 1))  # predicts columns P .. S-1
         else:
             logits = forward_shared_prompts(model, rollout, *shared, routing=routing)
-    logp_all = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
-    target = tokens[:, P:]
-    logp = torch.zeros(B, S, dtype=logp_all.dtype, device=tokens.device)
-    logp[:, P:] = logp_all.gather(-1, target[..., None])[..., 0]
+    T, V = S - P, logits.shape[-1]
+    lp, ent = token_logprobs(logits.reshape(B * T, V), tokens[:, P:].reshape(B * T), temperature,
+                             with_entropy=with_entropy)
+    logp = torch.zeros(B, S, dtype=lp.dtype, device=tokens.device)
+    logp[:, P:] = lp.view(B, T)
     logp = torch.where(rollout.completion_mask, logp, torch.zeros_like(logp))
     entropy = None
-    if with_entropy:
-        ent = token_entropy(logp_all.detach())  # a metric: no graph through the vocabulary-sized passes
+    if ent is not None:
         entropy = torch.zeros(B, S, dtype=ent.dtype, device=tokens.device)
-        entropy[:, P:] = ent
+        entropy[:, P:] = ent.view(B, T)
     return logp, entropy
 
 

@@ -2,12 +2,15 @@
 
 Each measurement runs in its own process, alternating the two settings, so that
 the heap of one cannot help the other: a SmolLM2 rollout (tokens/s over three
-timed rollouts after a warm-up) and the built-in default run (`fp8rl train
+timed rollouts after a warm-up), one SmolLM2 GRPO step (benchmarks/vs_trl.py's
+fp8rl side: 4 prompts x 4, 64 tokens, one micro-batch; the mean of 2 steps after
+a warm-up, with its training phase) and the built-in default run (`fp8rl train
 --config configs/default.toml`, wall seconds). The "kept" processes call
 `keep_freed_memory` as the CLI does; the "glibc default" ones replace it with a
-no-op. Prints one JSON object and a table with each process's peak RSS.
+no-op. Prints one JSON object and a table with each process's peak RSS and
+minor page faults.
 
-    python benchmarks/allocator.py                          # both, 2 rounds
+    python benchmarks/allocator.py                          # all three, 2 rounds
     python benchmarks/allocator.py --jobs rollout --rounds 3  # rollouts only
 """
 
@@ -51,6 +54,16 @@ def child_rollout(model_src: str, flow: str, batch: int, max_new: int) -> dict:
             "tokens_per_s": tokens / statistics.median(seconds), "threads": torch.get_num_threads()}
 
 
+def child_step(model_src: str, flow: str) -> dict:
+    from vs_trl import DEFAULT_SHAPES, run_fp8rl  # benchmarks/ is on sys.path when this script runs
+
+    P, G, L = DEFAULT_SHAPES["smollm2-135m-instruct"]
+    with tempfile.TemporaryDirectory() as tmp:
+        got = run_fp8rl(model_src, flow, "auto", P, G, L, lr=1e-6, steps=2, tmp=Path(tmp))
+    return {"seconds": got["step_s"], "train_s": got["time_train_s"], "rollout_s": got["time_rollout_s"],
+            "backend": got["backend"]}
+
+
 def child_train(config: str) -> dict:
     from fp8rl import cli
 
@@ -81,7 +94,7 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--config", default="configs/default.toml", help="the training run to time")
     ap.add_argument("--rounds", type=int, default=2, help="alternations of the two settings")
-    ap.add_argument("--jobs", default="rollout,train", help="which to time: rollout, train or both")
+    ap.add_argument("--jobs", default="rollout,step,train", help="which to time: rollout, step, train")
     ap.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     ap.add_argument("job", nargs="*", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -94,13 +107,17 @@ def main() -> int:
                 raise SystemExit("keep_freed_memory had no effect here (not glibc)")
         cli.keep_freed_memory = lambda: False  # the CLI's own call (the train job) must not undo the A/B
         kind, *rest = args.job
-        result = child_rollout(rest[0], rest[1], int(rest[2]), int(rest[3])) if kind == "rollout" else child_train(rest[0])
-        result["maxrss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        if kind == "rollout":
+            result = child_rollout(rest[0], rest[1], int(rest[2]), int(rest[3]))
+        else:
+            result = child_step(rest[0], rest[1]) if kind == "step" else child_train(rest[0])
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        result["maxrss_mb"], result["minor_faults"] = usage.ru_maxrss / 1024, usage.ru_minflt
         print("ALLOCATOR_RESULT " + json.dumps(result))
         return 0
 
     known = {"rollout": ["rollout", args.model, args.flow, str(args.batch), str(args.max_new_tokens)],
-             "train": ["train", args.config]}
+             "step": ["step", args.model, args.flow], "train": ["train", args.config]}
     if not args.jobs or set(args.jobs.split(",")) - set(known):
         raise SystemExit(f"--jobs takes a comma-separated subset of {', '.join(known)}, got {args.jobs!r}")
     jobs = [(kind, known[kind]) for kind in args.jobs.split(",")]
@@ -111,14 +128,18 @@ def main() -> int:
                 res = run_child(mode, job)
                 rows.append({"round": r, "job": kind, "mode": mode, **res})
                 print(f"round {r} {kind:<8}{mode:<15}" + (f"{res['tokens_per_s']:8.1f} tok/s" if kind == "rollout"
-                      else f"{res['seconds']:8.1f} s") + f"   maxrss {res['maxrss_mb']:.0f} MB", file=sys.stderr)
+                      else f"{res['seconds']:8.2f} s") + f"   maxrss {res['maxrss_mb']:.0f} MB"
+                      f"   minor faults {res['minor_faults']}", file=sys.stderr)
     summary = {}
     for kind, _ in jobs:
         for mode in MODES:
             got = [x for x in rows if x["job"] == kind and x["mode"] == mode]
             key = "tokens_per_s" if kind == "rollout" else "seconds"
             summary[f"{kind} {mode}"] = {key: statistics.median(x[key] for x in got),
-                                         "maxrss_mb": max(x["maxrss_mb"] for x in got)}
+                                         "maxrss_mb": max(x["maxrss_mb"] for x in got),
+                                         "minor_faults": statistics.median(x["minor_faults"] for x in got)}
+            if kind == "step":
+                summary[f"{kind} {mode}"]["train_s"] = statistics.median(x["train_s"] for x in got)
         a, b = summary[f"{kind} glibc default"], summary[f"{kind} kept"]
         summary[f"{kind} speedup"] = (b["tokens_per_s"] / a["tokens_per_s"] if kind == "rollout"
                                       else a["seconds"] / b["seconds"])

@@ -12,13 +12,16 @@ the top of the heap beyond ``M_TRIM_THRESHOLD`` is returned to the OS, with the
 same effect on the next allocation there. A rollout's prefill and decode steps
 make tensors of many sizes, each a few MB to tens of MB.
 
-`keep_freed_memory` sets both: blocks up to 32 MiB (the ceiling of glibc's own
-dynamic threshold on 64-bit) come from the heap, and the heap is not
-trimmed below 1 GiB of free top. Peak memory is unchanged (the same tensors are
-live at the peak); memory freed after the peak stays with the process. Measured
-side by side by benchmarks/allocator.py (a SmolLM2 rollout 1.20x faster on a
-2-core AMD EPYC, peak RSS the same). Tensors over 32 MiB are still mapped. The
-CLI calls it once at start; the arithmetic, hence every result bit, is unchanged.
+`keep_freed_memory` sets both, and turns glibc's mmap path off (``M_MMAP_MAX`` = 0):
+every block, however large, comes from the heap, and the heap is not trimmed below
+1 GiB of free top. Blocks above 32 MiB (the most ``M_MMAP_THRESHOLD`` accepts on
+64-bit) matter as much as the small ones: a SmolLM2 training step makes a dozen
+vocabulary-sized tensors (logits and their gradient, [1008 x 49152] float32 =
+198 MB each; the head's weight gradient and AdamW temporaries), 300,000 page
+faults, about 1 s, per step when each is mapped afresh. Peak memory is unchanged
+(the same tensors are live at the peak); memory freed after the peak stays with
+the process. Measured side by side by benchmarks/allocator.py. The CLI calls it
+once at start; the arithmetic, hence every result bit, is unchanged.
 """
 
 from __future__ import annotations
@@ -29,17 +32,18 @@ import sys
 # mallopt parameter numbers (glibc's malloc.h)
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
+M_MMAP_MAX = -4
 
-# glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit; 256 MiB gave a SmolLM2 rollout 1% more here (noise)
+# glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit. With M_MMAP_MAX = 0 nothing is mapped, but
+# setting the threshold also fixes glibc's dynamic one, which would move the trim threshold.
 MMAP_THRESHOLD_BYTES = 32 << 20
 TRIM_THRESHOLD_BYTES = 1 << 30
 
 
 def keep_freed_memory() -> bool:
-    """Set glibc's mmap and trim thresholds (module docstring) for this process.
-    Returns whether they were set: False on a C library other than glibc (macOS,
-    musl), where nothing is changed. Setting either fixes glibc's otherwise
-    dynamic mmap threshold."""
+    """Set glibc's mmap and trim thresholds and turn its mmap path off (module
+    docstring) for this process. Returns whether they were set: False on a C
+    library other than glibc (macOS, musl), where nothing is changed."""
     if not sys.platform.startswith("linux"):
         return False
     libc = ctypes.CDLL(None)  # the symbols already loaded into this process, the C library's included
@@ -47,4 +51,5 @@ def keep_freed_memory() -> bool:
         return False
     mmap_set = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
     trim_set = libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
-    return mmap_set and trim_set
+    no_mmap = libc.mallopt(M_MMAP_MAX, 0) == 1
+    return mmap_set and trim_set and no_mmap

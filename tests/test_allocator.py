@@ -10,9 +10,10 @@ import pytest
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: Linux only")
 
-# Allocates, writes and frees a 16 MiB tensor (4096 pages) 20 times, each 4 KiB larger
-# than the last (a tensor that grows with the sequence), and prints the minor page
-# faults of the last 10: glibc maps a block larger than any freed before afresh.
+# Allocates, writes and frees a tensor of MiB mebibytes (MiB * 256 pages) 20 times, each
+# 4 KiB larger than the last (a tensor that grows with the sequence), and prints the minor
+# page faults of the last 10: glibc maps a block larger than any freed before afresh, and
+# every block over 32 MiB (its largest mmap threshold) always.
 FAULTS = """
 import resource, sys, torch
 from fp8rl.allocator import keep_freed_memory
@@ -23,22 +24,24 @@ def faults():
 for i in range(20):
     if i == 10:
         start = faults()
-    x = torch.empty((4 << 20) + i * 1024, dtype=torch.float32)
+    x = torch.empty(int(sys.argv[2]) * (1 << 18) + i * 1024, dtype=torch.float32)
     x.fill_(1.0)
     del x
 print(faults() - start)
 """
 
 
-def minor_faults(mode: str) -> int:
-    out = subprocess.run([sys.executable, "-c", FAULTS, mode], capture_output=True, text=True, check=True)
+def minor_faults(mode: str, mib: int) -> int:
+    out = subprocess.run([sys.executable, "-c", FAULTS, mode, str(mib)], capture_output=True, text=True, check=True)
     return int(out.stdout.split()[-1])
 
 
-def test_kept_memory_is_reused_without_page_faults() -> None:
-    default, kept = minor_faults("default"), minor_faults("kept")
-    assert default > 10 * 4096 * 0.9, default  # every page of every tensor, under glibc's defaults
-    assert kept < 4096, kept  # fewer than one tensor's pages, for all ten
+@pytest.mark.parametrize("mib", [16, 64])  # below and above glibc's largest mmap threshold (32 MiB)
+def test_kept_memory_is_reused_without_page_faults(mib: int) -> None:
+    pages = mib * 256
+    default, kept = minor_faults("default", mib), minor_faults("kept", mib)
+    assert default > 10 * pages * 0.9, default  # every page of every tensor, under glibc's defaults
+    assert kept < pages, kept  # fewer than one tensor's pages, for all ten
 
 
 def test_the_cli_keeps_freed_memory(tmp_path, monkeypatch) -> None:

@@ -161,13 +161,16 @@ class _FP8LinearFn(torch.autograd.Function):
         call: _Call = ctx.call
         plan, backend, fmt = call.plan, call.plan.backend, call.plan.scale_fmt
         dy2 = dy.reshape(-1, dy.shape[-1]).float()  # [T, N]
+        # Every backend's BF16 GEMM rounds its operands to BF16 first: dy is rounded once for
+        # both (the same bits), not once per GEMM (a [T, N] pass each, per linear).
+        dy_bf16 = dy2.bfloat16() if "bf16" in (plan.dgrad, plan.wgrad) else None
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             if plan.dgrad == "fp8":
                 qdy = quantize(dy2, (1, 128), scale_fmt=fmt, name=f"{call.name} grad_output")
                 dx = backend.fp8_matmul(qdy, call.qweight.t(), torch.float32, invariant=False)  # [T, N] . [K, N]^T
             else:
-                dx = backend.bf16_matmul(dy2, call.weight_bf16.T, call.bf16_caches[1], invariant=False)
+                dx = backend.bf16_matmul(dy_bf16, call.weight_bf16.T, call.bf16_caches[1], invariant=False)
             if plan.grad_transport == "fp8":
                 # The gradient handed to the previous op travels as 1x128 FP8.
                 qdx = quantize(dx, (1, 128), scale_fmt=fmt, name=f"{call.name} grad_input")
@@ -183,7 +186,7 @@ class _FP8LinearFn(torch.autograd.Function):
                 qx_t = quantize(x2, (128, 1), scale_fmt=fmt, name=f"{call.name} input").t()
                 dw = backend.fp8_matmul(qdy_t, qx_t, torch.float32, invariant=False)  # [N, T] . [K, T]^T
             else:
-                dw = backend.bf16_matmul(dy2.T, x2.T, {}, invariant=False)
+                dw = backend.bf16_matmul(dy_bf16.T, x2.T, {}, invariant=False)
             dw = dw.to(ctx.w_dtype)
         if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
             db = dy2.sum(0).to(ctx.b_dtype)  # FP32 sum over tokens

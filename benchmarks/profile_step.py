@@ -23,7 +23,8 @@ Add `--steps N` to time N steps without the profiler first (each step's rollout,
 training and width, then min / median / max: how much of a difference between two runs
 is the machine's noise), `--trace trace.json` to write a Chrome trace (chrome://tracing, Perfetto), and
 `--shapes` to list each op per input shapes (which rows a GEMM runs on, how big the
-tensors of the elementwise passes are).
+tensors of the elementwise passes are; recording them slows a training step's large
+ops several-fold, so take the times from a run without it).
 """
 
 from __future__ import annotations

@@ -6,7 +6,10 @@ size, completion budget, sampling (temperature 1, no top-k/top-p, stop at
 EOS), reward function and optimizer settings (AdamW, same lr, betas (0.9,
 0.99), no weight decay, grad clip 1, PPO clip 0.2/0.28, no KL term), and one
 optimizer step over all prompts x group samples. Each side runs one warm-up
-step, then the timed step(s) on the next prompts of the same problem stream.
+step, then the timed steps (3 by default: the mean) on the next prompts of the
+same problem stream. One timed step is not enough: a step after the warm-up
+still grows the process's heap, TRL's by more (its first timed SmolLM2 step
+20.3 s against 14.5 s for the mean of three, benchmarks/README.md).
 
 TRL is given its fastest fair CPU setup: float32 weights (bf16 matmuls are
 several times slower than float32 on this CPU), gradient checkpointing off
@@ -29,7 +32,7 @@ transformers `generate` on the same model, prompts and batch (the functions
 of `benchmarks/rollout.py`).
 
     pip install trl                        # into the environment fp8rl is installed in
-    python benchmarks/vs_trl.py            # tiny-arith and SmolLM2-135M (about 8 minutes on 2 cores)
+    python benchmarks/vs_trl.py            # tiny-arith and SmolLM2-135M (about 10 minutes on 2 cores)
     python benchmarks/vs_trl.py --quick    # smoke run: tiny-arith, 2 prompts x 2, 8 tokens
 
 Prints one JSON object on stdout and a table on stderr. Speedups are
@@ -456,7 +459,8 @@ def main() -> int:
                     help="fp8rl GEMM backend; fast (default): fast_backend's pick for each model on this CPU; "
                          "auto: what `fp8rl train` picks (the same, after its batch-invariance check on the "
                          "model)")
-    ap.add_argument("--steps", type=int, default=1, help="timed steps per side, after one warm-up step")
+    ap.add_argument("--steps", type=int, default=3,
+                    help="timed steps per side, after one warm-up step (the first timed ones still grow the heap)")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's default, all cores)")
     ap.add_argument("--no-rollout", action="store_true", help="skip the fixed-length rollout comparison")
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny-arith only, 2 prompts x 2, 8 tokens")

@@ -3,9 +3,9 @@
 Each measurement runs in its own process, alternating the two settings, so that
 the heap of one cannot help the other: a SmolLM2 rollout (tokens/s over three
 timed rollouts after a warm-up), SmolLM2 GRPO steps (4 prompts x 4, 64 tokens, one
-micro-batch, the other training settings of `--config`; the mean of 4 steps after a warm-up, each step's time
-and page faults kept) and the built-in default run (`fp8rl train --config
-configs/default.toml`, wall seconds). The "kept" processes call
+micro-batch, the other training settings of `--config`; the mean of 4 steps after a
+warm-up, each step's time and page faults kept) and the built-in default run (`fp8rl
+train --config configs/default.toml`, wall seconds). The "kept" processes call
 `keep_freed_memory` as the CLI does; the "glibc default" ones replace it with a
 no-op; the "trimmed at 1 GiB" ones call it, then set glibc's trim threshold back
 to 1 GiB (the CLI's setting until 2026-12-06: the heap gave back a free top over
@@ -72,8 +72,8 @@ def child_step(model_src: str, flow: str, config: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(config, {
             "model": model_src, "flow": flow, "rollout.prompts_per_step": 4, "rollout.group_size": 4,
-            "rollout.max_new_tokens": 64, "train.micro_batches": 1, "out": str(Path(tmp) / "run"), "eval.n": 0, "eval.every": 0,
-            "checkpoint.every": 0})
+            "rollout.max_new_tokens": 64, "train.micro_batches": 1, "out": str(Path(tmp) / "run"),
+            "eval.n": 0, "eval.every": 0, "checkpoint.every": 0})
         trainer = Trainer(cfg, log=lambda s: None)
         trainer.train_step()  # warm-up
         steps, train_s, faults = [], [], []

@@ -19,10 +19,11 @@ however large, comes from the heap; and it turns trimming off (``M_TRIM_THRESHOL
 training step makes a dozen vocabulary-sized tensors (logits and their gradient,
 [1008 x 49152] float32 = 198 MB each; the head's weight gradient and AdamW
 temporaries), 300,000 page faults, about 1 s, per step when each is mapped afresh.
-Trimming matters as much: the same step frees over 1 GiB at the top of the heap at
-its end, and a trimmed heap faults it all back in during the next step (measured on
-a 2-core Xeon, 2026-12-06: 270,000-295,000 faults and 5.3-5.4 s of training per step
-with a 1 GiB trim threshold, under 10 faults and 3.7 s with none). Peak memory is
+Trimming matters as much: a step with one micro-batch frees over 1 GiB at the top of
+the heap at its end, and a trimmed heap faults it back in during the next step
+(`benchmarks/allocator.py --jobs step`, 2-core Xeon with AMX, 2026-12-06: up to 298,000
+faults a step and 5.03 s of training per step with a 1 GiB trim threshold, under 50
+faults once at the peak and 4.47 s with none). Peak memory is
 unchanged (the same tensors are live at the peak); memory freed after the peak stays
 with the process for the next step, which needs it again. Measured side by side by
 benchmarks/allocator.py. The CLI calls it once at start; the arithmetic, hence every

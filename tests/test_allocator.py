@@ -50,17 +50,17 @@ def test_kept_memory_is_reused_without_page_faults(mib: int) -> None:
 # itself: a torch tensor's small metadata, allocated after its data, would sit above it.
 HEAP_AFTER_FREE = """
 import ctypes, sys
-from fp8rl.allocator import keep_freed_memory
+from fp8rl.allocator import M_TRIM_THRESHOLD, keep_freed_memory
 assert keep_freed_memory()
 class MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                                     "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
 libc = ctypes.CDLL(None)
 libc.mallinfo2.restype = MallInfo2
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
 if sys.argv[1] == "trim-1GiB":  # the setting before trimming was turned off
-    assert libc.mallopt(-1, 1 << 30) == 1
+    assert libc.mallopt(M_TRIM_THRESHOLD, 1 << 30) == 1
 block = libc.malloc(5 << 28)
 assert block
 libc.free(block)

@@ -175,3 +175,35 @@ def test_a_compiler_without_openmp_still_builds_the_kernels(fresh_library: pytes
         warnings.simplefilter("error")
         assert kernels.library() is not None
     assert len(list((tmp_path / "cache" / "kernels").iterdir())) == 1
+
+
+def test_compiled_uniform_draws_are_torch_rand_bit_for_bit():
+    """`kernels.uniform_rows` (the sampling noise of every decode step) must draw exactly
+    torch.rand's numbers from each generator and leave it where torch.rand would: from
+    generators part-way through their Mersenne state (an odd number drawn before, a
+    randn's cached normal pending), over widths that cross several state refills."""
+    if kernels.library() is None:
+        pytest.skip("no compiled kernels here: RowNoise draws with torch.rand")
+    assert kernels._uniform_exact()  # this torch's generator layout is the one the kernel reads
+    seeds = [0, 1, 2**40 + 7, 123456789]
+    ours = [torch.Generator().manual_seed(s) for s in seeds]
+    theirs = [torch.Generator().manual_seed(s) for s in seeds]
+    for r, (a, b) in enumerate(zip(ours, theirs)):  # the generators at different places of their state
+        torch.rand(3 + 311 * r, generator=a), torch.rand(3 + 311 * r, generator=b)
+        torch.randn(1, generator=a), torch.randn(1, generator=b)
+    for steps, width in ((1, 1), (2, 624), (3, 1249), (5, 97)):
+        got = kernels.uniform_rows(ours, steps, width)
+        want = torch.stack([torch.rand(steps, width, generator=g) for g in theirs], dim=1)
+        assert got.shape == (steps, len(seeds), width) and torch.equal(got, want), (steps, width)
+    for a, b in zip(ours, theirs):  # the same state afterwards, the normal cache included
+        assert torch.equal(a.get_state(), b.get_state())
+        assert torch.equal(torch.randn(5, generator=a), torch.randn(5, generator=b))
+
+
+def test_without_kernels_uniform_rows_leaves_the_draw_to_torch(fresh_library: pytest.MonkeyPatch):
+    fresh_library.setenv(kernels.ENV_SWITCH, "0")
+    kernels._uniform_exact.cache_clear()
+    try:
+        assert kernels.uniform_rows([torch.Generator().manual_seed(0)], 2, 10) is None
+    finally:
+        kernels._uniform_exact.cache_clear()

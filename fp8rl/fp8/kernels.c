@@ -446,3 +446,82 @@ void fp8rl_rope_store(const float *q, const float *k, const float *v, int64_t lq
         }
     }
 }
+
+/* ---- torch's CPU random numbers: torch.rand(n, generator=g) of several generators at once ----
+
+   A torch.Generator on the CPU is at::mt19937 (the 32-bit Mersenne Twister); torch.rand of
+   FP32 draws y = the next tempered 32-bit output and returns (y & (2**24 - 1)) * 2**-24 (its
+   low 24 bits: `uniform_real_distribution`), one element after the other. The generator's
+   state comes from `Generator.get_state()` (torch's legacy layout: seed u64, left i32,
+   seeded i32, next u64, state u64[624]; kernels.py checks the layout against torch.rand
+   before using this) and goes back with `set_state`, so the same numbers come out, the
+   generator stays where torch would leave it, and a sampling step's noise (16 rows x 49,152
+   logits) costs a fraction of torch's serial loop. */
+
+#define MT_N 624
+#define MT_M 397
+#define MT_LEFT_AT 8
+#define MT_NEXT_AT 16
+#define MT_STATE_AT 24
+
+static inline uint32_t mt_twist(uint32_t u, uint32_t v) {
+    return (((u & 0x80000000u) | (v & 0x7FFFFFFFu)) >> 1) ^ ((v & 1u) ? 0x9908B0DFu : 0u);
+}
+
+static void mt_next_state(uint32_t *s) {
+    int j;
+    for (j = 0; j < MT_N - MT_M; j++) s[j] = s[j + MT_M] ^ mt_twist(s[j], s[j + 1]);
+    for (; j < MT_N - 1; j++) s[j] = s[j + MT_M - MT_N] ^ mt_twist(s[j], s[j + 1]);
+    s[MT_N - 1] = s[MT_M - 1] ^ mt_twist(s[MT_N - 1], s[0]);
+}
+
+/* n uniform FP32 values in [0, 1) from one generator state (get_state's bytes, updated
+   in place), written at out[i * ld .. + width) for i in rows: n = rows * width. */
+static void mt_uniform(uint8_t *state, float *out, int64_t rows, int64_t width, int64_t ld) {
+    int32_t left;
+    uint64_t next, words[MT_N];
+    uint32_t s[MT_N];
+    memcpy(&left, state + MT_LEFT_AT, 4);
+    memcpy(&next, state + MT_NEXT_AT, 8);
+    memcpy(words, state + MT_STATE_AT, sizeof words);
+    for (int j = 0; j < MT_N; j++) s[j] = (uint32_t)words[j];
+    for (int64_t r = 0; r < rows; r++) {
+        float *o = out + r * ld;
+        for (int64_t i = 0; i < width;) {
+            /* at::mt19937's draw: `if (--left == 0) next_state();` (left = N, next = 0), then
+               state[next++]. The draws before that refill, at once: */
+            if (left == 1) {
+                mt_next_state(s);
+                left = MT_N + 1;
+                next = 0;
+            }
+            int64_t take = width - i < (int64_t)left - 1 ? width - i : (int64_t)left - 1;
+            const uint32_t *p = s + next;
+            for (int64_t j = 0; j < take; j++) {
+                uint32_t y = p[j];
+                y ^= y >> 11;
+                y ^= (y << 7) & 0x9D2C5680u;
+                y ^= (y << 15) & 0xEFC60000u;
+                y ^= y >> 18;
+                o[i + j] = (float)(y & 0xFFFFFFu) * 0x1p-24f; /* exact: a 24-bit integer times 2**-24 */
+            }
+            i += take;
+            next += (uint64_t)take;
+            left -= (int32_t)take;
+        }
+    }
+    for (int j = 0; j < MT_N; j++) words[j] = s[j];
+    memcpy(state + MT_LEFT_AT, &left, 4);
+    memcpy(state + MT_NEXT_AT, &next, 8);
+    memcpy(state + MT_STATE_AT, words, sizeof words);
+}
+
+/* torch.stack([torch.rand(steps, width, generator=g) for g in generators], dim=1): generator r's
+   draws fill out[i, r, :] (out [steps, R, width] contiguous), generators in parallel. */
+void fp8rl_uniform_rows(uint8_t **states, int64_t R, int64_t steps, int64_t width, float *out, int threads) {
+    (void)threads;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && R > 1)
+#endif
+    for (int64_t r = 0; r < R; r++) mt_uniform(states[r], out + r * width, steps, width, R * width);
+}

@@ -1,4 +1,4 @@
-"""Compiled CPU kernels: FP8 quantization in one pass.
+"""Compiled CPU kernels: FP8 quantization, attention and sampling noise, each in few passes.
 
 A decode step of a small batch is per-call overhead: each FP8 linear's input
 quantization (``quant.quantize_dequantize``) is about 15 torch calls of a few
@@ -10,6 +10,9 @@ format and floor). The same goes for the weights' 2-D blocks, quantized once per
 optimizer step (``quantize_blocks``), and for their dequantization to FP32 or BF16
 (``dequantize_blocks``): SmolLM2-135M's 210 FP8 weights in about 0.27 s instead of
 0.52-0.72 s here (benchmarks/compiled_quant.py).
+Two more hot loops of the rollout: softmax attention over a BF16 KV cache
+(``attention``, with ``rope_store`` writing it), and each decode step's sampling
+noise (``uniform_rows``: torch.rand's numbers from every row's generator at once).
 
 The kernels are optional. ``library()`` builds ``kernels.c`` once per machine
 with the system C compiler (``$CC``, else ``cc``, ``gcc`` or ``clang``) into a cache
@@ -132,6 +135,8 @@ def library() -> ctypes.CDLL | None:
     lib.fp8rl_rope_store.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, ptr, *[i64] * 5, ctypes.c_int, ptr,
                                      ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, i64, i64, i64, i64,
                                      ctypes.c_int]
+    lib.fp8rl_uniform_rows.restype = None
+    lib.fp8rl_uniform_rows.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int]
     return lib
 
 
@@ -312,3 +317,47 @@ def rope_store(
                          v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), start,
                          max(1, torch.get_num_threads()))
     return out
+
+
+def _draw_rows(lib: ctypes.CDLL, generators: list[torch.Generator], steps: int, width: int) -> torch.Tensor:
+    """``fp8rl_uniform_rows`` on the generators' states, which then go back to them."""
+    states = [g.get_state() for g in generators]  # fresh ByteTensors, updated in place by the kernel
+    out = torch.empty(steps, len(generators), width)
+    pointers = (ctypes.c_void_p * len(states))(*[s.data_ptr() for s in states])
+    lib.fp8rl_uniform_rows(pointers, len(states), steps, width, out.data_ptr(), max(1, torch.get_num_threads()))
+    for g, s in zip(generators, states):
+        g.set_state(s)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _uniform_exact() -> bool:
+    """Whether ``fp8rl_uniform_rows`` reproduces torch.rand on this torch: the generator
+    state's layout is torch's (``CPUGeneratorImpl``'s legacy one), so it is checked, not
+    assumed: draws across several refills of the Mersenne state, and the numbers torch
+    draws afterwards from the generators the kernel has moved on."""
+    lib = library()
+    if lib is None or torch.Generator().get_state().numel() < 24 + 624 * 8:
+        return False
+    for seed in (0, 1234567):
+        ours = [torch.Generator().manual_seed(seed + r) for r in range(3)]
+        theirs = [torch.Generator().manual_seed(seed + r) for r in range(3)]
+        for steps, width in ((1, 5), (3, 1000), (2, 623)):
+            drawn = _draw_rows(lib, ours, steps, width)
+            if not torch.equal(drawn, torch.stack([torch.rand(steps, width, generator=g) for g in theirs], dim=1)):
+                return False
+        if not all(torch.equal(torch.rand(7, generator=a), torch.rand(7, generator=b)) for a, b in zip(ours, theirs)):
+            return False
+    return True
+
+
+def uniform_rows(generators: list[torch.Generator], steps: int, width: int) -> torch.Tensor | None:
+    """``torch.stack([torch.rand(steps, width, generator=g) for g in generators], dim=1)``,
+    FP32 ``[steps, R, width]``: the same numbers, and every generator left where torch.rand
+    leaves it, by ``fp8rl_uniform_rows`` (the generators in parallel, on torch's threads; a
+    sampling step's noise over SmolLM2's 49,152 logits for 16 rows took about 2.8 ms in
+    torch's serial loop here). None (the caller draws with torch) for generators off the
+    CPU, without the kernels, or where ``_uniform_exact`` found another state layout."""
+    if not generators or any(g.device != CPU for g in generators) or not _uniform_exact():
+        return None
+    return _draw_rows(library(), generators, steps, width)

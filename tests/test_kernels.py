@@ -109,10 +109,11 @@ def test_compiled_block_quantize_names_a_non_finite_tensor():
             quantize(w, (128, 128), name="layers.3.mlp.up_proj.weight")
 
 
-def test_compiled_path_names_a_non_finite_tensor():
+@pytest.mark.parametrize("rows", [3, 64])  # 64 x 1536: rows shared by the threads, the bad one in the last
+def test_compiled_path_names_a_non_finite_tensor(rows: int):
     for bad in (float("nan"), float("inf"), float("-inf")):
-        x = torch.ones(3, 200)
-        x[1, 150] = bad
+        x = torch.ones(rows, 200 if rows < 64 else 1536)
+        x[rows - 2, 150] = bad
         with pytest.raises(NonFiniteError, match="'layer3 input'"):
             quantize_dequantize(x, 128, name="layer3 input")
 

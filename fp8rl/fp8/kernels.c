@@ -68,7 +68,14 @@ static inline uint16_t bf16_bits(float f) {
    adding and subtracting 1.5 * 2**(e + 20) (e: y's exponent, at least -6),
    out = y * s. Returns 1 (nothing else defined) if x holds NaN or Inf, else 0. */
 int fp8rl_qdq_rows(const float *x, int64_t ldx, float *out, int64_t ldo, int64_t rows, int64_t k,
-                   int64_t bk, float amax_floor, int ue8m0) {
+                   int64_t bk, float amax_floor, int ue8m0, int threads) {
+    int bad = 0;
+    (void)threads;
+    /* Rows on torch's threads where there is enough work to share (a prefill's or a large
+       batch's 64 x 1536 input: a row's blocks are the same arithmetic on any thread). */
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(|: bad) if (threads > 1 && rows * k >= 32768)
+#endif
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * ldx;
         float *outr = out + r * ldo;
@@ -77,12 +84,12 @@ int fp8rl_qdq_rows(const float *x, int64_t ldx, float *out, int64_t ldo, int64_t
             const float *xb = xr + c0;
             float *ob = outr + c0;
             const uint32_t amax_bits = amax_bits_of(xb, n, 0);
-            if (amax_bits >= EXPONENT_BITS) return 1;
+            bad |= amax_bits >= EXPONENT_BITS;
             const float s = block_scale(f32_from_bits(amax_bits), amax_floor, ue8m0);
             for (int64_t j = 0; j < n; j++) ob[j] = round_e4m3(xb[j] / s) * s;
         }
     }
-    return 0;
+    return bad;
 }
 
 /* quant.py's quantize of an FP32 matrix x [m, k] (row stride ldx) into E4M3 blocks of

@@ -123,7 +123,7 @@ def library() -> ctypes.CDLL | None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.fp8rl_qdq_rows.restype = ctypes.c_int
-    lib.fp8rl_qdq_rows.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+    lib.fp8rl_qdq_rows.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
     lib.fp8rl_quantize_blocks.restype = ctypes.c_int
     lib.fp8rl_quantize_blocks.argtypes = [ptr, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int, ptr, ptr]
     lib.fp8rl_dequantize_blocks.restype = None
@@ -160,7 +160,8 @@ def qdq_rows(x: torch.Tensor, bk: int, ue8m0: bool, amax_floor: float) -> torch.
     out = torch.empty(x2.shape[0], padded, dtype=torch.float32)
     if padded != k:
         out = out[:, :k]
-    if lib.fp8rl_qdq_rows(x2.data_ptr(), x2.stride(0), out.data_ptr(), padded, x2.shape[0], k, bk, amax_floor, ue8m0):
+    if lib.fp8rl_qdq_rows(x2.data_ptr(), x2.stride(0), out.data_ptr(), padded, x2.shape[0], k, bk, amax_floor, ue8m0,
+                          max(1, torch.get_num_threads())):
         raise ValueError("NaN or Inf")
     return out.reshape(x.shape)  # a view: only the leading dims are split
 

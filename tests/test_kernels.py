@@ -208,3 +208,30 @@ def test_without_kernels_uniform_rows_leaves_the_draw_to_torch(fresh_library: py
         assert kernels.uniform_rows([torch.Generator().manual_seed(0)], 2, 10) is None
     finally:
         kernels._uniform_exact.cache_clear()
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 1), (3, 7), (2, 16), (4, 33), (16, 4099), (5, 384)])
+def test_compiled_argmax_of_a_sum_is_torchs(rows: int, vocab: int):
+    """`kernels.argmax_sum` (a sampling step's Gumbel-max) must pick torch's index:
+    the first maximum among ties, a NaN (inf + -inf too) above every number, -inf
+    rows, inside the 16-lane part and in the tail."""
+    if kernels.library() is None:
+        pytest.skip("no compiled kernels here: sample_next adds and takes torch's argmax")
+    g = torch.Generator().manual_seed(rows * 1000 + vocab)
+    for case in range(8):
+        a, b = torch.randn(rows, vocab, generator=g), torch.randn(rows, vocab, generator=g)
+        if case == 1:
+            a[:, ::3] = float("-inf")  # top-k / top-p filtered logits
+        elif case == 2:
+            a[:], b[:] = 0.0, 1.0  # every entry ties
+        elif case == 3:
+            a[0, vocab // 2], a[-1, -1], a[-1, min(1, vocab - 1)] = float("nan"), float("nan"), float("nan")
+        elif case == 4:
+            a[:], b[:] = float("-inf"), 0.0
+        elif case == 5:
+            a[:, min(2, vocab - 1)], b[:, min(2, vocab - 1)] = float("inf"), float("-inf")
+        elif case == 6:
+            a, b = a.round(), b.round()  # many ties
+        elif case == 7:
+            a[:, -1], a[:, vocab // 3], b[:] = 100.0, 100.0, 0.0  # the tied maximum last and earlier
+        assert torch.equal(kernels.argmax_sum(a, b), (a + b).argmax(dim=-1)), case

@@ -532,3 +532,56 @@ void fp8rl_uniform_rows(uint8_t **states, int64_t R, int64_t steps, int64_t widt
 #endif
     for (int64_t r = 0; r < R; r++) mt_uniform(states[r], out + r * width, steps, width, R * width);
 }
+
+/* (a + b).argmax(-1) of FP32 rows a, b [R, V] (row strides la, lb), without the sum's tensor:
+   the Gumbel-max sample of each row (a: its log-probabilities, b: its Gumbel noise). One FP32
+   addition per element, as torch's add; torch's argmax order: the first maximum, a NaN above
+   every number (the first NaN). 16 lanes each keep their first maximum; the lanes' winners are
+   then compared value first, index second, so the first maximum of the row wins. */
+static int64_t argmax_sum_row(const float *a, const float *b, int64_t V) {
+    const int64_t V16 = V - V % 16;
+    int64_t at = 0;
+    float best = -INFINITY;
+    int nan = 0;
+    if (V16 > 0) {
+        vf bestv = splat(-INFINITY);
+        vi idx = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, lane = idx, nans = (vi){0};
+        for (int64_t j = 0; j < V16; j += 16) {
+            const vf v = loadu(a + j) + loadu(b + j);
+            const vi more = (vi)(v > bestv);
+            nans |= (vi)(v != v);
+            bestv = select_vf(more, v, bestv);
+            idx = (more & (lane + (int32_t)j)) | (~more & idx);
+        }
+        for (int l = 0; l < 16; l++) {
+            nan |= nans[l] != 0;
+            if (bestv[l] > best || (bestv[l] == best && idx[l] < at)) {
+                best = bestv[l];
+                at = idx[l];
+            }
+        }
+    }
+    for (int64_t j = V16; j < V && !nan; j++) { /* the tail: later indices, so a strict > keeps the first */
+        const float v = a[j] + b[j];
+        nan |= v != v;
+        if (v > best) {
+            best = v;
+            at = j;
+        }
+    }
+    if (nan) /* rare: the first NaN is the answer */
+        for (int64_t j = 0; j < V; j++) {
+            const float v = a[j] + b[j];
+            if (v != v) return j;
+        }
+    return at;
+}
+
+void fp8rl_argmax_sum(const float *a, int64_t la, const float *b, int64_t lb, int64_t R, int64_t V,
+                      int64_t *out, int threads) {
+    (void)threads;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && R > 1 && R * V >= 65536)
+#endif
+    for (int64_t r = 0; r < R; r++) out[r] = argmax_sum_row(a + r * la, b + r * lb, V);
+}

@@ -136,6 +136,8 @@ def library() -> ctypes.CDLL | None:
                                      ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, i64, i64, i64, i64,
                                      ctypes.c_int]
     lib.fp8rl_uniform_rows.restype = None
+    lib.fp8rl_argmax_sum.restype = None
+    lib.fp8rl_argmax_sum.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, ctypes.c_int]
     lib.fp8rl_uniform_rows.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int]
     return lib
 
@@ -362,3 +364,20 @@ def uniform_rows(generators: list[torch.Generator], steps: int, width: int) -> t
     if not generators or any(g.device != CPU for g in generators) or not _uniform_exact():
         return None
     return _draw_rows(library(), generators, steps, width)
+
+
+def argmax_sum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """``(a + b).argmax(dim=-1)`` of FP32 CPU tensors ``[R, V]`` (last axis contiguous) in
+    one pass, without the sum's tensor (``fp8rl_argmax_sum``: the same FP32 sums, torch's
+    argmax order: the first maximum, the first NaN above any number): a sampling step's
+    Gumbel-max. None (the caller runs torch's ops) for other tensors or without the kernels."""
+    if (a.dim() != 2 or a.shape != b.shape or a.dtype != torch.float32 or b.dtype != torch.float32
+            or not a.is_cpu or not b.is_cpu or a.stride(-1) != 1 or b.stride(-1) != 1 or a.numel() == 0):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    out = torch.empty(a.shape[0], dtype=torch.long)
+    lib.fp8rl_argmax_sum(a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), a.shape[0], a.shape[1],
+                         out.data_ptr(), max(1, torch.get_num_threads()))
+    return out

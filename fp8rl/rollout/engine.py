@@ -343,7 +343,9 @@ def sample_next(
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         filtered = filtered.masked_fill(drop, float("-inf"))
     gumbel = noise.clamp(min=1e-20).log_().neg_().log_().neg_()  # -log(-log(u)), in one new tensor
-    tok = gumbel.add_(filtered).argmax(dim=-1)  # filtered + gumbel: the same sum
+    tok = kernels.argmax_sum(filtered, gumbel)  # one pass, no sum tensor: the same sums, the same argmax
+    if tok is None:
+        tok = gumbel.add_(filtered).argmax(dim=-1)  # filtered + gumbel: the same sum
     return tok, logp.gather(-1, tok[:, None])[:, 0]
 
 

@@ -46,6 +46,7 @@ from fp8rl.fp8.formats import E4M3_MAX
 from fp8rl.fp8.linear import linears_of_one_input
 from fp8rl.fp8.quant import DerivedCache, dequantize_static
 from fp8rl.precision import FULL_PRECISION_ATTENTION, FULL_PRECISION_HEAD, AttentionPlan, FlowPlan, HeadPlan
+from .vector_math import initialize_vector_math
 
 from .config import ModelConfig
 
@@ -606,6 +607,7 @@ class _Body(nn.Module):
 class Transformer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        initialize_vector_math()  # before any forward: MKL's first calls race between threads (model/vector_math.py)
         self.config = config
         self.model = _Body(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

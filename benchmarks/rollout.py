@@ -4,7 +4,9 @@ Same model weights, prompts, batch size and sampling settings (temperature 1,
 no top-k/top-p, a fixed number of new tokens: EOS disabled on both sides so
 both generate exactly batch x max_new_tokens tokens). Prints one JSON object
 and a table: tokens/s per engine and flow, the ratio to transformers, and the
-weight and KV-cache bytes per flow.
+weight and KV-cache bytes per flow: "KV MB" in the stored format (1 byte an
+element for FP8 K/V), "KV held MB" what the engine's cache holds (its fused
+kernel's cache keeps FP8 K/V as their E4M3 values in BF16, as many bytes as BF16).
 
     python benchmarks/rollout.py                  # tiny-arith, tiny-moe and SmolLM2-135M
     python benchmarks/rollout.py --models tiny-arith --quick
@@ -130,12 +132,13 @@ def main() -> int:
               "threads": torch.get_num_threads(), "results": results}
     print(json.dumps(report, indent=2))
     print(f"\n{'model':<24}{'engine':<14}{'flow':<10}{'backend':<10}{'tok/s':>10}{'vs HF':>8}{'vs vLLM':>9}"
-          f"{'weights MB':>12}{'KV MB':>9}", file=sys.stderr)
+          f"{'weights MB':>12}{'KV MB':>9}{'KV held MB':>12}", file=sys.stderr)
     for r in results:
         vs_vllm = f"{r['ratio_vs_vllm']:>9.2f}" if "ratio_vs_vllm" in r else f"{'-':>9}"
         print(f"{r['model']:<24}{r['engine']:<14}{r['flow']:<10}{r.get('backend') or '-':<10}"
               f"{r['tokens_per_s']:>10.1f}{r.get('ratio_vs_transformers', 1.0):>8.2f}{vs_vllm}"
-              f"{r.get('weight_bytes', 0) / 1e6:>12.2f}{r.get('kv_bytes', 0) / 1e6:>9.2f}", file=sys.stderr)
+              f"{r.get('weight_bytes', 0) / 1e6:>12.2f}{r.get('kv_bytes', 0) / 1e6:>9.2f}"
+              f"{r.get('kv_resident_bytes', 0) / 1e6:>12.2f}", file=sys.stderr)
     return 0
 
 

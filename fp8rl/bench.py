@@ -29,6 +29,7 @@ def bench_rollout(
     from fp8rl.precision import PRESETS, apply_flow
     from fp8rl.rollout.calibrate import calibrate
     from fp8rl.rollout.engine import SamplingParams, default_cache_len, generate, left_pad
+    from fp8rl.rollout.kv_cache import KVCache
 
     model, _ = load(model_src)
     f = PRESETS[flow]
@@ -53,6 +54,8 @@ def bench_rollout(
         "all_seconds": times, "tokens": out.n_tokens, "tokens_per_s": out.n_tokens / seconds,
         "weight_bytes": weight_bytes(model, f.rollout_linear == "fp8"),
         "kv_bytes": kv_bytes(model, f.kv_cache, len(prompts), cache_len),
+        # what this engine's cache holds (a fused cache keeps FP8 K/V as their E4M3 values in BF16)
+        "kv_resident_bytes": KVCache.for_model(model, len(prompts), cache_len, device="meta").resident_nbytes,
     }
 
 

@@ -742,3 +742,14 @@ def test_sft_saves_the_policy_before_its_evaluation(capsys, tmp_path, monkeypatc
             "--eval-n", "2", "--max-new-tokens", "4", "--json")
     info = json.loads((out_dir / "sft.json").read_text())
     assert info["eval"] == {} and (out_dir / "model.safetensors").is_file()
+
+
+def test_bench_rollout_reports_the_kv_bytes_stored_and_held():
+    """jet-kv's FP8 K/V: half of bf16's bytes in the stored format, and on `cpu` / `amx`
+    (the fused kernel's cache, which keeps their E4M3 values in BF16) as many held as bf16's."""
+    from fp8rl.bench import bench_rollout
+
+    rows = {f: bench_rollout("tiny-arith", f, "cpu", [[5, 6, 7], [8, 9]], 3, 0) for f in ("bf16", "jet-kv")}
+    assert rows["jet-kv"]["kv_bytes"] < 0.6 * rows["bf16"]["kv_bytes"]
+    assert rows["bf16"]["kv_resident_bytes"] == rows["bf16"]["kv_bytes"]
+    assert rows["jet-kv"]["kv_resident_bytes"] >= rows["bf16"]["kv_resident_bytes"]

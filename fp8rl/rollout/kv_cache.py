@@ -68,9 +68,11 @@ class KVCache:
         self.v_scales = list(v_scales) if v_scales else None
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, batch: int, cache_len: int) -> "KVCache":
+    def for_model(cls, model: torch.nn.Module, batch: int, cache_len: int,
+                  device: torch.device | str | None = None) -> "KVCache":
         """A cache matching `model`'s config and its attention storage precision, in the
-        fused kernel's layout where its attention runs as that kernel."""
+        fused kernel's layout where its attention runs as that kernel; on `device`
+        (default: the model's; "meta": its sizes without the memory)."""
         c = model.config
         attns = [layer.self_attn for layer in model.model.layers]
         plan = attns[0].attention_plan
@@ -79,7 +81,7 @@ class KVCache:
             c.num_layers, batch, c.num_kv_heads, cache_len, c.head_dim, plan.kv,
             k_scales=[a.k_scale for a in attns] if fp8 else None,
             v_scales=[a.v_scale for a in attns] if fp8 else None,
-            device=model.device,
+            device=model.device if device is None else device,
             fused=plan.kv in FUSED_DTYPES and all(fused_attention_on(a.attention_plan, c.head_dim) for a in attns),
         )
 

@@ -142,6 +142,11 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
+def _threads() -> int:
+    """The thread count a kernel's OpenMP loop asks for: torch's own (OPENMP_FLAGS)."""
+    return max(1, torch.get_num_threads())
+
+
 def qdq_rows(x: torch.Tensor, bk: int, ue8m0: bool, amax_floor: float) -> torch.Tensor | None:
     """``quant.quantize_dequantize`` of a CPU tensor ``x [..., K]`` (1 x ``bk`` E4M3 blocks)
     as FP32 ``[..., K]`` by ``fp8rl_qdq_rows``; None (the caller runs its torch code) for a
@@ -163,7 +168,7 @@ def qdq_rows(x: torch.Tensor, bk: int, ue8m0: bool, amax_floor: float) -> torch.
     if padded != k:
         out = out[:, :k]
     if lib.fp8rl_qdq_rows(x2.data_ptr(), x2.stride(0), out.data_ptr(), padded, x2.shape[0], k, bk, amax_floor, ue8m0,
-                          max(1, torch.get_num_threads())):
+                          _threads()):
         raise ValueError("NaN or Inf")
     return out.reshape(x.shape)  # a view: only the leading dims are split
 
@@ -264,8 +269,7 @@ def attention(
             *[s.data_ptr() if s is not None else None for s in scales],
             kt.stride(0), kt.stride(1), kt.stride(2), v.stride(0), v.stride(1), v.stride(2),
             mask.data_ptr(), mask.stride(0), mask.stride(1))
-    # torch's thread count: the kernel's OpenMP loop runs on torch's own workers (OPENMP_FLAGS).
-    threads = max(1, torch.get_num_threads())
+    threads = _threads()
     work = torch.empty(threads * 4 * chunks)  # the kernel's scratch: 4 rows of scores per thread
     lib.fp8rl_attention(*args, 0, B, H, Hkv, T, D, length, scale, p_scale, out.data_ptr(), work.data_ptr(),
                         threads)
@@ -318,7 +322,7 @@ def rope_store(
                          scales[0].data_ptr(), int(fp8), *[s.data_ptr() if s is not None else None for s in scales[1:]],
                          out.data_ptr(), kt.data_ptr(), kt.stride(0), kt.stride(1), kt.stride(2),
                          v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), start,
-                         max(1, torch.get_num_threads()))
+                         _threads())
     return out
 
 
@@ -327,7 +331,7 @@ def _draw_rows(lib: ctypes.CDLL, generators: list[torch.Generator], steps: int, 
     states = [g.get_state() for g in generators]  # fresh ByteTensors, updated in place by the kernel
     out = torch.empty(steps, len(generators), width)
     pointers = (ctypes.c_void_p * len(states))(*[s.data_ptr() for s in states])
-    lib.fp8rl_uniform_rows(pointers, len(states), steps, width, out.data_ptr(), max(1, torch.get_num_threads()))
+    lib.fp8rl_uniform_rows(pointers, len(states), steps, width, out.data_ptr(), _threads())
     for g, s in zip(generators, states):
         g.set_state(s)
     return out
@@ -379,5 +383,5 @@ def argmax_sum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
         return None
     out = torch.empty(a.shape[0], dtype=torch.long)
     lib.fp8rl_argmax_sum(a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), a.shape[0], a.shape[1],
-                         out.data_ptr(), max(1, torch.get_num_threads()))
+                         out.data_ptr(), _threads())
     return out

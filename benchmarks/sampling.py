@@ -37,16 +37,13 @@ from fp8rl.rollout.engine import SamplingParams, generate
 from fp8rl.tasks import make_task
 
 
-def best_us(fn, calls: int, rounds: int) -> float:
-    """The best of `rounds` means over `calls` calls, microseconds."""
+def mean_us(fn, calls: int) -> float:
+    """Microseconds per call over `calls` calls, after one more."""
     fn()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - start) / calls * 1e6)
-    return min(times)
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls * 1e6
 
 
 def per_step(rows: int, vocab: int, calls: int, rounds: int) -> dict:
@@ -66,8 +63,8 @@ def per_step(rows: int, vocab: int, calls: int, rounds: int) -> dict:
     ):
         k, t = [], []
         for _ in range(rounds):  # alternated: the VM's drift reaches both alike
-            k.append(best_us(kernel, calls, 1))
-            t.append(best_us(torch_code, calls, 1))
+            k.append(mean_us(kernel, calls))
+            t.append(mean_us(torch_code, calls))
         out[name] = {"kernel_us": min(k), "torch_us": min(t), "speedup": min(t) / min(k)}
     return out
 

@@ -5,8 +5,8 @@ no top-k/top-p, a fixed number of new tokens: EOS disabled on both sides so
 both generate exactly batch x max_new_tokens tokens). Prints one JSON object
 and a table: tokens/s per engine and flow, the ratio to transformers, and the
 weight and KV-cache bytes per flow: "KV MB" in the stored format (1 byte an
-element for FP8 K/V), "KV held MB" what the engine's cache holds (its fused
-kernel's cache keeps FP8 K/V as their E4M3 values in BF16, as many bytes as BF16).
+element for FP8 K/V), "KV held MB" what the engine's cache holds (the fused
+kernel's cache: the stored format; without the compiled kernels: FP32 values).
 
     python benchmarks/rollout.py                  # tiny-arith, tiny-moe and SmolLM2-135M
     python benchmarks/rollout.py --models tiny-arith --quick

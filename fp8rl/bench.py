@@ -54,7 +54,7 @@ def bench_rollout(
         "all_seconds": times, "tokens": out.n_tokens, "tokens_per_s": out.n_tokens / seconds,
         "weight_bytes": weight_bytes(model, f.rollout_linear == "fp8"),
         "kv_bytes": kv_bytes(model, f.kv_cache, len(prompts), cache_len),
-        # what this engine's cache holds (a fused cache keeps FP8 K/V as their E4M3 values in BF16)
+        # what this engine's cache holds (a fused cache: the stored format; an unfused one: FP32 values)
         "kv_resident_bytes": KVCache.for_model(model, len(prompts), cache_len, device="meta").resident_nbytes,
     }
 

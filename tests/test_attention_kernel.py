@@ -32,12 +32,11 @@ def _case(B: int, H: int, Hkv: int, T: int, L: int, D: int, seed: int = 0):
     return q, k, v.bfloat16().float(), ctx
 
 
-def _run(q, k, v, ctx, length=None, bf16=False, p_fp8=False, k_scale=None, v_scale=None):
+def _run(q, k, v, ctx, length=None, store=torch.float32, p_fp8=False, k_scale=None, v_scale=None):
     L = k.shape[2] if length is None else length
     kt = torch.nn.functional.pad(k[:, :, :L].transpose(-1, -2), (0, -L % 16)).contiguous()
     vv = v[:, :, :L].contiguous()
-    if bf16:
-        kt, vv = kt.bfloat16(), vv.bfloat16()
+    kt, vv = kt.to(store), vv.to(store)  # float8_e4m3fn: the values must be on its grid (exact)
     return kernels.attention(q, kt, vv, ctx.kernel_mask(), L, 1 / math.sqrt(q.shape[-1]),
                              k_scale=k_scale, v_scale=v_scale, p_scale=P_SCALE if p_fp8 else 0.0)
 
@@ -108,16 +107,34 @@ def test_the_bits_do_not_depend_on_the_thread_count():
 
 
 def test_bf16_and_scaled_storage_give_the_bits_of_the_fp32_values():
-    """The rollout's cache holds BF16 (or E4M3 values and per-head scales); the training
-    forward passes the FP32 values: the same bits."""
+    """The rollout's cache holds BF16 (or E4M3 codes and per-head scales); the training
+    forward passes the FP32 values: the same bits. The E4M3 data covers every code but NaN
+    (subnormals and both zeros included), and the scales include one that is not a power
+    of two and one below 2**-100 (the kernel's 2**8 folded into the scale stays exact)."""
     q, k, v, ctx = _case(2, 9, 3, 4, 50, 64, seed=3)
-    assert torch.equal(_run(q, k, v, ctx, bf16=True), _run(q, k, v, ctx))
-    ks, vs = torch.tensor([0.011, 0.02, 0.0071]), torch.tensor([0.3, 0.05, 0.9])
-    ky, vy = e4m3_values(k, ks.view(1, -1, 1, 1)), e4m3_values(v, vs.view(1, -1, 1, 1))
-    scaled = _run(q, ky, vy, ctx, bf16=True, k_scale=ks, v_scale=vs, p_fp8=True)
-    values = _run(q, dequantize_static(k, ks.view(1, -1, 1, 1)), dequantize_static(v, vs.view(1, -1, 1, 1)), ctx,
-                  p_fp8=True)
-    assert torch.equal(scaled, values)
+    assert torch.equal(_run(q, k, v, ctx, store=torch.bfloat16), _run(q, k, v, ctx))
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F].view(torch.float8_e4m3fn).float()  # the 254 values
+    g = torch.Generator().manual_seed(4)
+    ks, vs = torch.tensor([0.011, 0.02, 0.0071]), torch.tensor([0.3, 2.0 ** -110, 0.9])
+    for ky, vy in (
+        (e4m3_values(k, ks.view(1, -1, 1, 1)), e4m3_values(v, vs.view(1, -1, 1, 1))),
+        (codes[torch.randint(0, 254, k.shape, generator=g)] / 64, codes[torch.randint(0, 254, v.shape, generator=g)]),
+    ):
+        values = _run(q, ky * ks.view(1, -1, 1, 1), vy * vs.view(1, -1, 1, 1), ctx, p_fp8=True)
+        for store in (torch.bfloat16, torch.float8_e4m3fn):
+            assert torch.equal(_run(q, ky, vy, ctx, store=store, k_scale=ks, v_scale=vs, p_fp8=True), values), store
+    with pytest.raises(ValueError, match="both scales"):
+        _run(q, ky, vy, ctx, store=torch.float8_e4m3fn)
+
+
+def test_e4m3_storage_keeps_nan():
+    """A NaN key read from E4M3 codes (0x7F) poisons its rows as the FP32 value does."""
+    q, k, v, ctx = _case(1, 3, 1, 1, 16, 64, seed=9)
+    k[0, 0, 15, 5] = float("nan")  # the last slot: the query's own, never masked
+    one = torch.ones(1)
+    ours = _run(q, k, v, ctx, store=torch.float8_e4m3fn, k_scale=one, v_scale=one)
+    assert torch.isnan(ours).all() and torch.isnan(_run(q, k, v, ctx)).all()
 
 
 def test_the_backward_is_that_of_the_same_function():
@@ -167,8 +184,9 @@ def test_rope_store_has_the_bits_of_the_torch_code(q_precision: str, kv_fp8: boo
     cos, sin = Transformer(config).rope(positions)
     q_scale = torch.rand(H, generator=g) + 0.01
     k_scale, v_scale = (torch.rand(Hkv, generator=g) * 4 + 0.01 for _ in range(2))
-    kt = torch.zeros(B, Hkv, D, 48, dtype=torch.bfloat16)
-    vc = torch.zeros(B, Hkv, L, D, dtype=torch.bfloat16)
+    store = torch.float8_e4m3fn if kv_fp8 else torch.bfloat16
+    kt = torch.zeros(B, Hkv, D, 48, dtype=store)
+    vc = torch.zeros(B, Hkv, L, D, dtype=store)
     q_val = kernels.rope_store(q, k, v, cos, sin, q_precision, q_scale, k_scale if kv_fp8 else None,
                                v_scale if kv_fp8 else None, kt, vc, start)
 
@@ -180,7 +198,48 @@ def test_rope_store_has_the_bits_of_the_torch_code(q_precision: str, kv_fp8: boo
         want_k, want_v = e4m3_values(kt_ref, k_scale.view(1, -1, 1, 1)), e4m3_values(vt, v_scale.view(1, -1, 1, 1))
     else:
         want_k, want_v = kt_ref, vt
+    bits = torch.uint8 if kv_fp8 else torch.int16  # the stored codes, signs of zero included
     got_k = kt[:, :, :, start : start + T].transpose(-1, -2)
-    assert torch.equal(got_k.view(torch.int16), want_k.bfloat16().contiguous().view(torch.int16))
-    assert torch.equal(vc[:, :, start : start + T].view(torch.int16), want_v.bfloat16().contiguous().view(torch.int16))
-    assert not kt[:, :, :, :start].any() and not vc[:, :, start + T :].any()  # nothing else written
+    assert torch.equal(got_k.contiguous().view(bits), want_k.to(store).contiguous().view(bits))
+    assert torch.equal(vc[:, :, start : start + T].view(bits), want_v.to(store).contiguous().view(bits))
+    if kv_fp8:  # E4M3 subnormals and both zeros were written (the data spans 20 binades)
+        codes = vc.view(torch.uint8)[:, :, start : start + T] & 0x7F
+        assert bool(((codes > 0) & (codes < 8)).any()) and bool((vc.view(torch.uint8) == 0x80).any())
+    assert not kt.view(bits)[:, :, :, :start].any() and not vc.view(bits)[:, :, start + T :].any()  # nothing else
+
+
+_WITHOUT_F16C = r"""
+import math, sys, torch
+from fp8rl.fp8 import kernels
+kernels.CFLAGS = kernels.CFLAGS + ("-mno-avx512f", "-mno-f16c")  # an AVX2 CPU without F16C's conversions
+assert kernels.library() is not None, "the kernels did not build"
+codes = torch.arange(256, dtype=torch.uint8)
+values = codes[(codes & 0x7F) != 0x7F].view(torch.float8_e4m3fn).float()  # every E4M3 value but NaN
+g = torch.Generator().manual_seed(0)
+B, H, Hkv, L, D = 2, 6, 2, 40, 64
+q = torch.randn(B, H, 1, D, generator=g)
+kt = values[torch.randint(0, 254, (B, Hkv, D, 48), generator=g)]
+v = values[torch.randint(0, 254, (B, Hkv, L, D), generator=g)]
+mask = torch.zeros(B, 1, 48, dtype=torch.uint8)
+mask[:, :, L:] = 1
+ks, vs = torch.tensor([0.01, 3.0]), torch.tensor([2.0 ** -100, 0.7])
+fp8 = kernels.attention(q, kt.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn), mask, L, 0.125, ks, vs)
+fp32 = kernels.attention(q, kt * ks.view(1, -1, 1, 1), v * vs.view(1, -1, 1, 1), mask, L, 0.125)
+kt[0, 0, 3, 1] = float("nan")
+nan = kernels.attention(q, kt.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn), mask, L, 0.125, ks, vs)
+print(torch.equal(fp8, fp32), bool(torch.isnan(nan[0, :3]).all() and not torch.isnan(nan[1]).any()))
+"""
+
+
+def test_e4m3_storage_without_f16c(tmp_path):
+    """Where the CPU has neither AVX-512 nor F16C, the kernel decodes E4M3 codes with integer
+    arithmetic: built here with those instruction sets switched off (a fresh library in its
+    own cache folder), it gives the FP32 values' bits too, NaN included."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "FP8RL_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", _WITHOUT_F16C], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "True"], done.stdout

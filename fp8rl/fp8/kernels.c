@@ -9,6 +9,9 @@
 #include <stdint.h>
 #include <math.h>
 #include <string.h>
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h> /* one conversion instruction, FP16 -> FP32 (load_e4m3_div256) */
+#endif
 #ifdef _OPENMP
 #include <omp.h> /* built with -fopenmp where the compiler has it: torch's own OpenMP runtime, loaded
                     already, runs our parallel loops on its worker threads (kernels.py) */
@@ -196,8 +199,54 @@ static inline vf select_vf(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b 
 static inline vf loadu(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 static inline void storeu(float *p, vf v) { memcpy(p, &v, sizeof v); }
 static inline vf load_bf16(const uint16_t *p) { vh h; memcpy(&h, p, sizeof h); return (vf)(__builtin_convertvector(h, vu) << 16); }
-static inline vf load_kv(const void *base, int64_t at, int bf16) {
-    return bf16 ? load_bf16((const uint16_t *)base + at) : loadu((const float *)base + at);
+
+/* 16 E4M3 codes (OCP E4M3FN, torch.float8_e4m3fn: sign, 4 exponent bits of bias 7, 3 mantissa
+   bits; 0x7F and 0xFF NaN) -> their values times 2**-8, exactly, in FP32. The code's bits moved
+   into an FP16's (sign to bit 15, exponent and mantissa to bits 13..7) make an FP16 of exactly
+   that value, subnormal codes included, which F16C converts to FP32 in one instruction; the
+   caller folds the 2**8 into its FP32 scale (s * 256 is exact, and (v / 256) * (s * 256) rounds
+   the same real number as v * s). Without F16C: the same numbers from integer arithmetic. */
+static inline vf load_e4m3_div256(const uint8_t *p) {
+    vb8 b;
+    memcpy(&b, p, sizeof b);
+    const vh c = __builtin_convertvector(b, vh);
+    vh h = ((c & 0x7F) << 7) | ((c & 0x80) << 8);
+    const vh nan = (vh)((c & 0x7F) == 0x7F);
+    h = (h & ~nan) | (nan & 0x7E00); /* NaN stays NaN */
+#if defined(__AVX512F__)
+    __m256i hi;
+    memcpy(&hi, &h, sizeof hi);
+    const __m512 f = _mm512_cvtph_ps(hi);
+    vf out;
+    memcpy(&out, &f, sizeof out);
+    return out;
+#elif defined(__F16C__)
+    __m128i lo, hi;
+    memcpy(&lo, &h, sizeof lo);
+    memcpy(&hi, (const char *)&h + 16, sizeof hi);
+    const __m256 a = _mm256_cvtph_ps(lo), z = _mm256_cvtph_ps(hi);
+    vf out;
+    memcpy(&out, &a, 32);
+    memcpy((char *)&out + 32, &z, 32);
+    return out;
+#else
+    const vu u = __builtin_convertvector(c, vu), em = u & 0x7Fu;         /* exponent and mantissa */
+    const vf normal = (vf)((em << 20) + (112u << 23));                   /* 2**(e - 15) (1 + m / 8) */
+    const vf subnormal = __builtin_convertvector((vi)em, vf) * 0x1p-17f; /* m * 2**-9 * 2**-8 */
+    vf mag = select_vf((vi)(em < 8u), subnormal, normal);
+    mag = select_vf((vi)(em == 0x7Fu), splat(NAN), mag);
+    (void)h;
+    return (vf)((vu)mag | ((u & 0x80u) << 24));
+#endif
+}
+
+/* How the attention kernel's K/V are stored. */
+#define KV_F32 0
+#define KV_BF16 1
+#define KV_E4M3 2 /* codes; the caller's scales carry the 2**8 of load_e4m3_div256 */
+static inline vf load_kv(const void *base, int64_t at, int kind) {
+    if (kind == KV_E4M3) return load_e4m3_div256((const uint8_t *)base + at);
+    return kind == KV_BF16 ? load_bf16((const uint16_t *)base + at) : loadu((const float *)base + at);
 }
 
 /* round_e4m3 on 16 lanes. */
@@ -235,7 +284,7 @@ static inline vf exp_nonpos_v(vf x) {
    (transposed: the slot axis contiguous), values v[l * v_l + d]; s: R x Lpad scratch. */
 static inline __attribute__((always_inline)) void rows_attention(
     const float *const *qr, float *const *o, const uint8_t *const *mask, const int64_t *hi_of, const int R,
-    const void *kt, int64_t kt_d, const void *v, int64_t v_l, const int bf16, float ks, float vs,
+    const void *kt, int64_t kt_d, const void *v, int64_t v_l, const int kind, float ks, float vs,
     const int scaled, int64_t D, float scale, float p_scale, float *s, int64_t Lpad) {
     int64_t hi = 0;
     for (int r = 0; r < R; r++) hi = hi_of[r] > hi ? hi_of[r] : hi;
@@ -250,7 +299,7 @@ static inline __attribute__((always_inline)) void rows_attention(
             for (int c = 0; c < CHUNKS; c++) acc[r][c] = splat(0.0f);
         for (int64_t d = 0; d < D; d++)
             for (int c = 0; c < nc; c++) {
-                vf kv = load_kv(kt, d * kt_d + (c0 + c) * LANES, bf16);
+                vf kv = load_kv(kt, d * kt_d + (c0 + c) * LANES, kind);
                 if (scaled) kv = kv * ks;
                 for (int r = 0; r < R; r++) acc[r][c] = acc[r][c] + qr[r][d] * kv;
             }
@@ -298,7 +347,7 @@ static inline __attribute__((always_inline)) void rows_attention(
             float p[ROWS];
             for (int r = 0; r < R; r++) p[r] = s[r * Lpad + l];
             for (int k = 0; k < nb; k++) {
-                vf vv = load_kv(v, l * v_l + d0 + k * LANES, bf16);
+                vf vv = load_kv(v, l * v_l + d0 + k * LANES, kind);
                 if (scaled) vv = vv * vs;
                 for (int r = 0; r < R; r++) acc[r][k] = acc[r][k] + p[r] * vv;
             }
@@ -310,9 +359,10 @@ static inline __attribute__((always_inline)) void rows_attention(
 
 #define ROWS_CALL(R)                                                                                            \
     do {                                                                                                        \
-        if (bf16 && k_scale) rows_attention(qr, o, mask, hi, R, ktb, kt_d, vb, v_l, 1, ks, vs, 1, D, scale, p_scale, s, Lpad); \
-        else if (bf16) rows_attention(qr, o, mask, hi, R, ktb, kt_d, vb, v_l, 1, ks, vs, 0, D, scale, p_scale, s, Lpad);      \
-        else rows_attention(qr, o, mask, hi, R, ktb, kt_d, vb, v_l, 0, ks, vs, 0, D, scale, p_scale, s, Lpad);                \
+        if (kind == KV_E4M3) rows_attention(qr, o, mask, hi, R, ktb, kt_d, vb, v_l, KV_E4M3, ks, vs, 1, D, scale, p_scale, s, Lpad); \
+        else if (kind == KV_BF16 && k_scale) rows_attention(qr, o, mask, hi, R, ktb, kt_d, vb, v_l, KV_BF16, ks, vs, 1, D, scale, p_scale, s, Lpad); \
+        else if (kind == KV_BF16) rows_attention(qr, o, mask, hi, R, ktb, kt_d, vb, v_l, KV_BF16, ks, vs, 0, D, scale, p_scale, s, Lpad); \
+        else rows_attention(qr, o, mask, hi, R, ktb, kt_d, vb, v_l, KV_F32, ks, vs, 0, D, scale, p_scale, s, Lpad);      \
     } while (0)
 
 /* out[b, h, t] = softmax attention of q[b, h, t] over the first L key slots of KV head
@@ -320,19 +370,21 @@ static inline __attribute__((always_inline)) void rows_attention(
      q      FP32 [B, H, T, D], contiguous; out the same;
      kt     keys transposed [B, Hkv, D, *] (slot axis contiguous), strides kt_b, kt_h, kt_d;
      v      values [B, Hkv, *, D] (D contiguous), strides v_b, v_h, v_l;
-            both FP32 (bf16 == 0) or BF16 bits (bf16 == 1), then times k_scale[h] / v_scale[h]
-            where those are given (FP8 K/V: the E4M3 values, exact in BF16, and their scales);
+            both FP32 (kind KV_F32), BF16 bits (KV_BF16) or E4M3 codes (KV_E4M3, scales required),
+            then times k_scale[h] / v_scale[h] where those are given (FP8 K/V: the E4M3 values
+            and their per-head scales);
      blocked uint8 [B, T, Lpad] (1: slot not attended; Lpad = L rounded up to 16, the padding 1),
             strides m_b, m_t;
      D a multiple of 16; work: threads * 4 * Lpad floats (each thread its rows of scores). The
      (b, KV head) items are shared among `threads` OpenMP threads where built with OpenMP; an item's
      arithmetic is the same on any thread, so the bits do not depend on the thread count. */
-void fp8rl_attention(const float *q, const void *kt, const void *v, int bf16, const float *k_scale,
+void fp8rl_attention(const float *q, const void *kt, const void *v, int kind, const float *k_scale,
                      const float *v_scale, int64_t kt_b, int64_t kt_h, int64_t kt_d, int64_t v_b, int64_t v_h,
                      int64_t v_l, const uint8_t *blocked, int64_t m_b, int64_t m_t, int64_t b0, int64_t b1,
                      int64_t H, int64_t Hkv, int64_t T, int64_t D, int64_t L, float scale, float p_scale,
                      float *out, float *work, int threads) {
-    const int64_t G = H / Hkv, Lpad = (L + LANES - 1) / LANES * LANES, esz = bf16 ? 2 : 4;
+    const int64_t G = H / Hkv, Lpad = (L + LANES - 1) / LANES * LANES;
+    const int64_t esz = kind == KV_E4M3 ? 1 : (kind == KV_BF16 ? 2 : 4);
     const int64_t items = (b1 - b0) * Hkv; /* one (batch row, KV head) each: no item reads another's output */
     (void)threads;
 #ifdef _OPENMP
@@ -347,7 +399,16 @@ void fp8rl_attention(const float *q, const void *kt, const void *v, int bf16, co
 #endif
         const char *ktb = (const char *)kt + (b * kt_b + hk * kt_h) * esz;
         const char *vb = (const char *)v + (b * v_b + hk * v_h) * esz;
-        const float ks = k_scale ? k_scale[hk] : 1.0f, vs = v_scale ? v_scale[hk] : 1.0f;
+        if (item + 1 < items) { /* the next item's keys and values, on their way while this one computes */
+            const int64_t bn = b0 + (item + 1) / Hkv, hn = (item + 1) % Hkv;
+            const char *ktn = (const char *)kt + (bn * kt_b + hn * kt_h) * esz;
+            const char *vn = (const char *)v + (bn * v_b + hn * v_h) * esz;
+            for (int64_t d = 0; d < D; d++)
+                for (int64_t at = 0; at < L * esz; at += 64) __builtin_prefetch(ktn + d * kt_d * esz + at, 0, 2);
+            for (int64_t at = 0; at < L * v_l * esz; at += 64) __builtin_prefetch(vn + at, 0, 2);
+        }
+        const float unit = kind == KV_E4M3 ? 256.0f : 1.0f; /* load_e4m3_div256's 2**-8, undone exactly */
+        const float ks = k_scale ? k_scale[hk] * unit : 1.0f, vs = v_scale ? v_scale[hk] * unit : 1.0f;
         const int64_t nrows = G * T; /* row i: query head hk * G + i / T, token i % T */
         for (int64_t i0 = 0; i0 < nrows; i0 += ROWS) {
             const float *qr[ROWS];
@@ -384,19 +445,31 @@ void fp8rl_attention(const float *q, const void *kt, const void *v, int bf16, co
      q:        stored per `q_mode`: 0 FP32 as is; 1 BF16-rounded (to nearest even, as torch's
                conversion) and widened; 2 E4M3 at its head's scale (quant.dequantize_static:
                clamp(y / s) rounded to E4M3, the sign of y, times s);
-     k, v:     written at slot `start + t` of the cache as BF16 bits: kv_fp8 == 0 the values
-               rounded to nearest even; kv_fp8 == 1 their E4M3 values (quant.e4m3_values:
-               exact in BF16) before the per-head scale, which the attention kernel applies.
+     k, v:     written at slot `start + t` of the cache: kv_fp8 == 0 as BF16 bits, the values
+               rounded to nearest even (NaN becomes torch's scalar NaN, 0x7FC0); kv_fp8 == 1 as
+               the E4M3 codes (torch.float8_e4m3fn; NaN 0x7F) of their E4M3 values
+               (quant.e4m3_values) before the per-head scale, which the attention kernel applies.
    q, k, v   FP32 rows r = b * T + t (row strides lq, lk, lv), head h at h * D, D contiguous;
    cos, sin_rot FP32 [B * T, D]; q_out FP32 [B, H, T, D];
-   kt        BF16 keys transposed [B, Hkv, D, *] (strides kt_b, kt_h, kt_d), vc BF16 values
-             [B, Hkv, *, D] (strides v_b, v_h, v_l). NaN becomes torch's scalar NaN (0x7FC0). */
+   kt        keys transposed [B, Hkv, D, *] (strides kt_b, kt_h, kt_d), vc values [B, Hkv, *, D]
+             (strides v_b, v_h, v_l), in elements of the stored format (2 bytes or 1). */
 
 /* quant.e4m3_values of one FP32 value at scale s: clamp(x / s, -448, 448) on the E4M3 grid
    (round_e4m3), with the sign of x (a negative value that rounds to zero keeps its sign). */
 static inline float e4m3_value(float x, float s) {
     const uint32_t mag = f32_bits(round_e4m3(x / s)) & 0x7FFFFFFFu; /* round_e4m3 clamps first */
     return f32_from_bits(mag | (f32_bits(x) & 0x80000000u));
+}
+
+/* The E4M3 code (torch.float8_e4m3fn's byte) of y: a value on the E4M3 grid (|y| <= 448, as
+   e4m3_value gives) or NaN. Normal values (from 2**-6) move their FP32 exponent and top three
+   mantissa bits into the code's fields; subnormal ones are m * 2**-9, m = y * 512 exactly. */
+static inline uint8_t e4m3_code(float y) {
+    const uint32_t u = f32_bits(y), mag = u & 0x7FFFFFFFu;
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
+    if (mag > 0x7F800000u) return sign | 0x7Fu;
+    if (mag < (121u << 23)) return sign | (uint8_t)(f32_from_bits(mag) * 512.0f);
+    return sign | (uint8_t)((((mag >> 23) - 120u) << 3) | ((mag >> 20) & 7u));
 }
 
 static inline void rope_row(const float *x, const float *c, const float *s, int64_t D, float *y) {
@@ -414,8 +487,9 @@ static inline void rope_row(const float *x, const float *c, const float *s, int6
 void fp8rl_rope_store(const float *q, const float *k, const float *v, int64_t lq, int64_t lk, int64_t lv,
                       const float *cos_, const float *sin_rot, int64_t B, int64_t T, int64_t H, int64_t Hkv,
                       int64_t D, int q_mode, const float *q_scale, int kv_fp8, const float *k_scale,
-                      const float *v_scale, float *q_out, uint16_t *kt, int64_t kt_b, int64_t kt_h, int64_t kt_d,
-                      uint16_t *vc, int64_t v_b, int64_t v_h, int64_t v_l, int64_t start, int threads) {
+                      const float *v_scale, float *q_out, void *kt, int64_t kt_b, int64_t kt_h, int64_t kt_d,
+                      void *vc, int64_t v_b, int64_t v_h, int64_t v_l, int64_t start, int threads) {
+    const int64_t esz = kv_fp8 ? 1 : 2;
     (void)threads;
     /* Rows in parallel: the cache writes are scattered (K transposed: one cache line per
        element), so a second thread mostly overlaps their misses. */
@@ -426,6 +500,12 @@ void fp8rl_rope_store(const float *q, const float *k, const float *v, int64_t lq
         const int64_t b = r / T, t = r % T, slot = start + t;
         float y[1024]; /* one head's row; D <= 1024 (checked by the caller) */
         const float *c = cos_ + r * D, *s = sin_rot + r * D;
+        if (r + 1 < B * T) { /* the next row's key slots: each of its D elements on a cache line of its own */
+            const int64_t bn = (r + 1) / T, slot_n = start + (r + 1) % T;
+            for (int64_t h = 0; h < Hkv; h++)
+                for (int64_t d = 0; d < D; d++)
+                    __builtin_prefetch((const char *)kt + (bn * kt_b + h * kt_h + d * kt_d + slot_n) * esz, 1, 3);
+        }
         for (int64_t h = 0; h < H; h++) {
             float *o = q_out + ((b * H + h) * T + t) * D;
             rope_row(q + r * lq + h * D, c, s, D, o);
@@ -435,21 +515,24 @@ void fp8rl_rope_store(const float *q, const float *k, const float *v, int64_t lq
                 for (int64_t d = 0; d < D; d++) o[d] = e4m3_value(o[d], q_scale[h]) * q_scale[h];
         }
         for (int64_t h = 0; h < Hkv; h++) {
-            uint16_t *kd = kt + b * kt_b + h * kt_h + slot, *vd = vc + b * v_b + h * v_h + slot * v_l;
+            const int64_t k_at = b * kt_b + h * kt_h + slot, v_at = b * v_b + h * v_h + slot * v_l;
             const float *vr = v + r * lv + h * D;
             rope_row(k + r * lk + h * D, c, s, D, y);
-            uint16_t kb[1024];
-            if (kv_fp8)
+            if (kv_fp8) {
+                uint8_t *kd = (uint8_t *)kt + k_at, *vd = (uint8_t *)vc + v_at, kb[1024];
                 for (int64_t d = 0; d < D; d++) {
-                    kb[d] = bf16_bits(e4m3_value(y[d], k_scale[h]));
-                    vd[d] = bf16_bits(e4m3_value(vr[d], v_scale[h]));
+                    kb[d] = e4m3_code(e4m3_value(y[d], k_scale[h]));
+                    vd[d] = e4m3_code(e4m3_value(vr[d], v_scale[h]));
                 }
-            else
+                for (int64_t d = 0; d < D; d++) kd[d * kt_d] = kb[d];
+            } else {
+                uint16_t *kd = (uint16_t *)kt + k_at, *vd = (uint16_t *)vc + v_at, kb[1024];
                 for (int64_t d = 0; d < D; d++) {
                     kb[d] = bf16_bits(y[d]);
                     vd[d] = bf16_bits(vr[d]);
                 }
-            for (int64_t d = 0; d < D; d++) kd[d * kt_d] = kb[d];
+                for (int64_t d = 0; d < D; d++) kd[d * kt_d] = kb[d];
+            }
         }
     }
 }

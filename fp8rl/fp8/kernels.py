@@ -158,19 +158,19 @@ def qdq_rows(x: torch.Tensor, bk: int, ue8m0: bool, amax_floor: float) -> torch.
     if lib is None:
         return None
     k = x.shape[-1]
-    x2 = x if x.dim() == 2 else x.reshape(-1, k)  # [T, K]
-    if x2.dtype != torch.float32 or (x2.stride(-1) != 1 and k > 1) or x2.stride(0) < k:
-        x2 = x2.float().contiguous()
+    # Rows of K: a 2-D tensor with unit column stride as it is, anything else contiguous FP32.
+    # (Views and reshapes cost microseconds each: this runs ~120 times a decode step.)
+    if x.dtype != torch.float32 or not (x.is_contiguous() or (x.dim() == 2 and x.stride(-1) == 1 and x.stride(0) >= k)):
+        x = x.float().contiguous()
+    ldx = x.stride(0) if x.dim() == 2 else k
     # The torch code's layout too: a ragged K is the first K columns of whole blocks, so that
     # whatever reads the result (a BLAS call choosing its kernel from the strides) sees the same.
     padded = -(-k // bk) * bk
-    out = torch.empty(x2.shape[0], padded, dtype=torch.float32)
-    if padded != k:
-        out = out[:, :k]
-    if lib.fp8rl_qdq_rows(x2.data_ptr(), x2.stride(0), out.data_ptr(), padded, x2.shape[0], k, bk, amax_floor, ue8m0,
+    out = torch.empty(*x.shape[:-1], padded, dtype=torch.float32)
+    if lib.fp8rl_qdq_rows(x.data_ptr(), ldx, out.data_ptr(), padded, x.numel() // k, k, bk, amax_floor, ue8m0,
                           _threads()):
         raise ValueError("NaN or Inf")
-    return out.reshape(x.shape)  # a view: only the leading dims are split
+    return out if padded == k else out[..., :k]
 
 
 def quantize_blocks(
@@ -232,6 +232,10 @@ def padded_mask(blocked: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(m, (0, -L % 16), value=1).contiguous()
 
 
+# The attention kernel's K/V storage (kernels.c KV_F32, KV_BF16, KV_E4M3: the codes, as bytes).
+KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
+
+
 def attention(
     q: torch.Tensor,
     kt: torch.Tensor,
@@ -245,17 +249,24 @@ def attention(
 ) -> torch.Tensor:
     """``fp8rl_attention`` (kernels.c: its arithmetic, row by row): softmax attention of
     ``q`` FP32 [B, H, T, D] over the first ``length`` key slots of ``kt`` [B, Hkv, D, >=length]
-    (keys transposed, slot axis contiguous) and ``v`` [B, Hkv, >=length, D], both FP32 or
-    BF16, each times its per-KV-head FP32 scale [Hkv] where given; ``mask`` from
-    ``padded_mask`` (True/1: not attended); ``p_scale`` > 0 stores P in E4M3 at that scale.
-    -> FP32 [B, H, T, D]. A row's result does not depend on the other rows, on ``length``
-    beyond its live slots, or on BF16 vs FP32 storage of the same values. Call only where
-    ``attention_available(D)``."""
+    (keys transposed, slot axis contiguous) and ``v`` [B, Hkv, >=length, D], both FP32, BF16
+    or E4M3 (``torch.float8_e4m3fn``, read as bytes: half of BF16's memory traffic), each
+    times its per-KV-head FP32 scale [Hkv] where given (E4M3: required, FP32: none);
+    ``mask`` from ``padded_mask`` (True/1: not attended); ``p_scale`` > 0 stores P in E4M3
+    at that scale. -> FP32 [B, H, T, D]. A row's result does not depend on the other rows,
+    on ``length`` beyond its live slots, or on the storage (FP32, BF16, E4M3) of the same
+    values. Call only where ``attention_available(D)``."""
     lib = library()
     B, H, T, D = q.shape
     Hkv = kt.shape[1]
-    if kt.dtype != v.dtype or kt.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"attention: keys and values must both be FP32 or BF16, got {kt.dtype} and {v.dtype}")
+    if kt.dtype != v.dtype or kt.dtype not in KV_KINDS:
+        raise ValueError(f"attention: keys and values must both be FP32, BF16 or float8_e4m3fn, "
+                         f"got {kt.dtype} and {v.dtype}")
+    scaled = {k_scale is not None, v_scale is not None}
+    if len(scaled) != 1 or (kt.dtype == torch.float8_e4m3fn and False in scaled) or (
+            kt.dtype == torch.float32 and True in scaled):
+        raise ValueError(f"attention: {kt.dtype} keys and values take both scales or none "
+                         f"(float8_e4m3fn: both, float32: none)")
     chunks = -(-length // 16) * 16  # the kernel reads keys and mask in whole 16-slot chunks
     if kt.stride(-1) != 1 or v.stride(-1) != 1 or mask.stride(-1) != 1:
         raise ValueError("attention: keys, values and mask need a contiguous last axis")
@@ -265,7 +276,7 @@ def attention(
     q = q.float().contiguous()
     out = torch.empty_like(q)
     scales = [s.float().contiguous() if s is not None else None for s in (k_scale, v_scale)]
-    args = (q.data_ptr(), kt.data_ptr(), v.data_ptr(), int(kt.dtype == torch.bfloat16),
+    args = (q.data_ptr(), kt.data_ptr(), v.data_ptr(), KV_KINDS[kt.dtype],
             *[s.data_ptr() if s is not None else None for s in scales],
             kt.stride(0), kt.stride(1), kt.stride(2), v.stride(0), v.stride(1), v.stride(2),
             mask.data_ptr(), mask.stride(0), mask.stride(1))
@@ -298,23 +309,25 @@ def rope_store(
     ``k [B, T, Hkv, D]`` (``cos``, ``sin_rot`` ``[B, 1, T, D]``, ``Transformer.rope``'s),
     ``q`` stored in ``q_precision`` at its per-head ``q_scale`` (FP8) and returned as FP32
     ``[B, H, T, D]``; the rotated ``k`` and ``v [B, T, Hkv, D]`` written at slots
-    ``[start, start + T)`` of a fused KV cache layer (``kt`` BF16 ``[B, Hkv, D, *]``,
-    ``v_cache`` BF16 ``[B, Hkv, *, D]``): their BF16 values, or with ``k_scale`` and
-    ``v_scale`` their E4M3 values at those per-head scales. The bits of transformer.py's
-    torch code (``apply_rope``, ``store_heads``, ``quant.e4m3_values``) in one call. Call
-    only where ``attention_available(D)``."""
+    ``[start, start + T)`` of a fused KV cache layer (``kt`` ``[B, Hkv, D, *]``, ``v_cache``
+    ``[B, Hkv, *, D]``): a BF16 cache gets their BF16 values; a ``float8_e4m3fn`` cache, with
+    ``k_scale`` and ``v_scale``, the E4M3 codes of their values at those per-head scales. The
+    bits of transformer.py's torch code (``apply_rope``, ``store_heads``,
+    ``quant.e4m3_values``) in one call. Call only where ``attention_available(D)``."""
     lib = library()
     B, T, H, D = q.shape
     Hkv = k.shape[2]
-    if kt.dtype != torch.bfloat16 or v_cache.dtype != torch.bfloat16 or D > 1024:
-        raise ValueError(f"rope_store: a BF16 cache and a head size up to 1024, got {kt.dtype}, {v_cache.dtype}, D={D}")
+    fp8 = k_scale is not None
+    want = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    if kt.dtype != want or v_cache.dtype != want or (v_scale is not None) != fp8 or D > 1024:
+        raise ValueError(f"rope_store: a BF16 cache, or a float8_e4m3fn one with K and V scales, and a head size "
+                         f"up to 1024; got {kt.dtype}, {v_cache.dtype}, scales {fp8}, D={D}")
     if kt.stride(-1) != 1 or v_cache.stride(-1) != 1 or start + T > v_cache.shape[2]:
         raise ValueError(f"rope_store: slots [{start}, {start + T}) do not fit the cache {tuple(v_cache.shape)}")
     qr, kr, vr = _rows(q), _rows(k), _rows(v)
     cos, sin_rot = cos.float().contiguous(), sin_rot.float().contiguous()
     if cos.numel() != B * T * D or sin_rot.numel() != B * T * D:
         raise ValueError(f"rope_store: cos and sin need {B} x {T} x {D} values, got {tuple(cos.shape)}")
-    fp8 = k_scale is not None
     scales = [s.float().contiguous() if s is not None else None for s in (q_scale, k_scale, v_scale)]
     out = torch.empty(B, H, T, D)
     lib.fp8rl_rope_store(qr.data_ptr(), kr.data_ptr(), vr.data_ptr(), qr.stride(0), kr.stride(0), vr.stride(0),

@@ -441,9 +441,9 @@ class Attention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         ctx: AttentionContext,
     ) -> torch.Tensor:
-        """`_attend` of a rollout step (no graph) on a cache that holds BF16 K (transposed) and
-        V, in two compiled calls: `kernels.rope_store` (RoPE, Q's storage rounding, K/V
-        written as BF16, or as their E4M3 values under FP8 storage, with `_attend`'s bits)
+        """`_attend` of a rollout step (no graph) on a cache that holds K (transposed) and V in
+        BF16 or as E4M3 codes, in two compiled calls: `kernels.rope_store` (RoPE, Q's storage
+        rounding, K/V written as BF16, or as E4M3 codes under FP8 storage, with `_attend`'s bits)
         and the attention kernel reading the cache directly (applying FP8 K/V's per-head
         scales as `store_heads` does). The same bits as `_attend` on the stored FP32 values
         (the training forward)."""

@@ -4,14 +4,14 @@ Layout per layer: K and V as [B, n_kv_heads, cache_len, head_dim]. The stored
 precision decides the numbers: BF16 values, or E4M3 values times the attention
 module's per-KV-head FP32 scales (static during a rollout, recalibrated between
 steps). Under a backend with the fused attention kernel (`fused`: `cpu` and `amx` where
-the compiled kernels load) the cache holds K (transposed) and V in BF16 (FP8: the E4M3
-values, exact in BF16; the kernel applies the scales) and the kernel reads them directly.
+the compiled kernels load) the cache holds K (transposed) and V in BF16, or FP8 as E4M3
+codes (one byte each; the kernel applies the scales), and the kernel reads them directly.
 Otherwise attention multiplies FP32 products, so the cache holds those values as FP32,
 computed once for the slots written (`transformer.store_heads`) rather than for the
 whole cache at every decode step (which was about a quarter of a tiny-arith decode step). `nbytes` is
 the size in the stored format (FP8: 1 byte per element plus 2 x n_kv_heads
 scales per layer, about half of BF16), what a kernel reading that format moves;
-`resident_nbytes` is what this engine holds.
+`resident_nbytes` is what this engine holds (the fused cache: `nbytes`).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import torch
 from fp8rl.model.transformer import fused_attention_on
 
 STORAGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
-# What a fused cache holds per element: BF16 values, or the E4M3 values (exact in BF16) of FP8
-# (`kernels.rope_store` writes these two; FP32 storage keeps the unfused layout).
-FUSED_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.bfloat16}
+# What a fused cache holds per element: BF16 values, or the E4M3 codes of FP8 (`kernels.rope_store`
+# writes these two; FP32 storage keeps the unfused layout).
+FUSED_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 
 class KVCache:
@@ -54,7 +54,7 @@ class KVCache:
         if fused:
             # The fused attention kernel's layout (fp8rl/fp8/kernels.py `attention`), in the stored
             # format: K transposed [B, H, D, cache_len rounded up to 16] (the kernel reads 16-slot
-            # chunks) and V [B, H, cache_len, D], BF16 for BF16 and FP8 storage (FUSED_DTYPES).
+            # chunks) and V [B, H, cache_len, D], in BF16 or E4M3 (FUSED_DTYPES).
             dtype, slots = FUSED_DTYPES[precision], -(-cache_len // 16) * 16
             self.k = [torch.zeros(batch, n_kv_heads, head_dim, slots, dtype=dtype, device=device) for _ in range(n_layers)]
             self.v = [torch.zeros(self.shape, dtype=dtype, device=device) for _ in range(n_layers)]
@@ -99,7 +99,7 @@ class KVCache:
 
     def fused_layer(self, layer: int, start: int, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A fused cache's layer, for `n_tokens` new slots from `start` (written by
-        `kernels.rope_store`): K transposed [B, H, D, slots] and V [B, H, cache_len, D], BF16."""
+        `kernels.rope_store`): K transposed [B, H, D, slots] and V [B, H, cache_len, D] (FUSED_DTYPES)."""
         if start + n_tokens > self.cache_len:
             raise ValueError(f"KV cache overflow: slots [{start}, {start + n_tokens}) exceed cache_len {self.cache_len}")
         return self.k[layer], self.v[layer]
@@ -119,7 +119,7 @@ class KVCache:
 
     @property
     def resident_nbytes(self) -> int:
-        """Bytes this engine holds: the FP32 values (a fused cache: BF16), plus scales."""
+        """Bytes this engine holds: the FP32 values (a fused cache: the stored format), plus scales."""
         return sum(t.numel() * t.element_size() for t in self.k + self.v) + self._scale_bytes()
 
     def _scale_bytes(self) -> int:

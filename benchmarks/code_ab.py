@@ -1,0 +1,101 @@
+"""Old code against new: one flow's rollout tokens/s under a git revision and under the working
+tree, in alternating fresh processes (the VM's speed drifts by 5-10% over minutes, so only
+rounds run side by side compare).
+
+The revision is checked out into a temporary worktree and put first on PYTHONPATH for its
+processes; the compiled kernels are cached per source, so both builds coexist. Each process
+runs `fp8rl.bench.bench_rollout` (a warm-up, then `--repeats` timed rollouts, their median) on
+the held-out `arith` prompts with EOS disabled, as benchmarks/rollout.py does.
+
+    python benchmarks/code_ab.py --base 9c01299 --model smollm2-135m-instruct --flow bf16 \\
+        --batch 64 --max-new-tokens 128 --rounds 3
+
+Prints one JSON object on stdout (every round's tokens/s, the new/old ratio per round and of
+the medians) and a table on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from vs_trl import cpu_name
+
+ROOT = Path(__file__).resolve().parent.parent
+
+_CHILD = """
+import json, sys
+from fp8rl.allocator import keep_freed_memory
+keep_freed_memory()
+import fp8rl
+from fp8rl.bench import bench_rollout
+from fp8rl.fp8.backends import fast_backend
+from fp8rl.model import load
+from fp8rl.prompts import encode_prompts
+from fp8rl.tasks import make_task
+src, flow, batch, new, repeats = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+model, tok = load(src)
+prompts = encode_prompts(tok, [p.question for p in make_task("arith").test_problems(batch)])
+r = bench_rollout(src, flow, fast_backend(model).name, prompts, new, tok.pad_token_id, repeats)
+print(json.dumps({"fp8rl": fp8rl.__file__, "tokens_per_s": r["tokens_per_s"], "backend": r["backend"]}))
+"""
+
+
+def run_once(pythonpath: str | None, args: argparse.Namespace) -> dict:
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD, args.model, args.flow, str(args.batch), str(args.max_new_tokens),
+         str(args.repeats)], capture_output=True, text=True, env=env, cwd=tempfile.gettempdir())
+    if done.returncode != 0:
+        raise SystemExit(f"a benchmark process failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", required=True, help="the git revision to compare the working tree against")
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--flow", default="bf16")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3, help="timed rollouts per process (their median)")
+    ap.add_argument("--rounds", type=int, default=3, help="old, new pairs")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "base"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), args.base],
+                       check=True, capture_output=True)
+        try:
+            rounds = []
+            for i in range(args.rounds):
+                old = run_once(str(tree), args)
+                new = run_once(str(ROOT), args)
+                if not old["fp8rl"].startswith(str(tree)) or not new["fp8rl"].startswith(str(ROOT)):
+                    raise SystemExit(f"imported the wrong code: {old['fp8rl']}, {new['fp8rl']}")
+                rounds.append({"old": old["tokens_per_s"], "new": new["tokens_per_s"],
+                               "ratio": new["tokens_per_s"] / old["tokens_per_s"]})
+                print(f"round {i + 1}: old {old['tokens_per_s']:.1f}  new {new['tokens_per_s']:.1f}  "
+                      f"new/old {rounds[-1]['ratio']:.3f}  ({new['backend']})", file=sys.stderr)
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], capture_output=True)
+    old_m = statistics.median(r["old"] for r in rounds)
+    new_m = statistics.median(r["new"] for r in rounds)
+    print(f"medians: old {old_m:.1f}, new {new_m:.1f} tok/s: {new_m / old_m:.3f}x", file=sys.stderr)
+    print(json.dumps({"cpu": cpu_name(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                      "base": args.base, "model": args.model, "flow": args.flow, "batch": args.batch,
+                      "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "rounds": rounds,
+                      "median_ratio": new_m / old_m}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

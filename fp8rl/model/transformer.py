@@ -644,6 +644,12 @@ class Transformer(nn.Module):
         half = sin.shape[-1] // 2
         return emb.cos()[:, None], torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)[:, None]
 
+    def attention_fused(self) -> bool:
+        """Whether every layer's attention runs as the compiled fused kernel (`fused_attention_on`),
+        whose rows read no key slot past their last live one."""
+        return all(fused_attention_on(layer.self_attn.attention_plan, self.config.head_dim)
+                   for layer in self.model.layers)
+
     def key_slots(self, n_live: int, cache_len: int, queries: int = 1) -> int:
         """How many leading key slots a step of `queries` new tokens (1: a decode step;
         the prompt length: the prefill) whose keys sit in the first `n_live` slots

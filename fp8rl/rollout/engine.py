@@ -563,8 +563,16 @@ def hidden_shared_prompts(
     `calibrate`): the U distinct prompts' slots [0, prompt_len) -> hidden [U, P, D],
     then every row's slots [prompt_len, stop) reading its prompt's K/V (`PromptKV`)
     -> hidden [B, stop - P, D], or None when stop == prompt_len. `routing` (MoE)
-    ends with the prompt call's record widened to every row; `amax` records both calls."""
+    ends with the prompt call's record widened to every row; `amax` records both calls.
+
+    Where the attention is the fused kernel, the key slots stop at the first multiple of 16
+    that holds `stop` rather than at `cache_len` (the rollout's room for `max_new_tokens`):
+    the kernel reads no slot past a row's last live key, so the bits are the same, and the
+    zero padding, the kernel's copies of K and V and the backward's [B, H, T, L] tensors
+    shrink with it."""
     P = prompt_len
+    if model.attention_fused():
+        cache_len = min(cache_len, -(-stop // KEY_SLOT_STEP) * KEY_SLOT_STEP)
     kv = PromptKV(of_row, cache_len)
     ctx = make_context(pad_left[first], 0, P, cache_len, kv, amax=amax, routing=routing)
     prompt = model.hidden(tokens[first, :P], ctx)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import torch
 
-from fp8rl.model.transformer import fused_attention_on
 
 STORAGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 # What a fused cache holds per element: BF16 values, or the E4M3 codes of FP8 (`kernels.rope_store`
@@ -82,7 +81,7 @@ class KVCache:
             k_scales=[a.k_scale for a in attns] if fp8 else None,
             v_scales=[a.v_scale for a in attns] if fp8 else None,
             device=model.device if device is None else device,
-            fused=plan.kv in FUSED_DTYPES and all(fused_attention_on(a.attention_plan, c.head_dim) for a in attns),
+            fused=plan.kv in FUSED_DTYPES and model.attention_fused(),
         )
 
     def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -360,7 +360,6 @@ static inline __attribute__((always_inline)) void rows_attention(
 #define ROWS_CALL(R)                                                                                            \
     do {                                                                                                        \
         if (kind == KV_E4M3) rows_attention(qr, o, mask, hi, R, ktb, kt_d, vb, v_l, KV_E4M3, ks, vs, 1, D, scale, p_scale, s, Lpad); \
-        else if (kind == KV_BF16 && k_scale) rows_attention(qr, o, mask, hi, R, ktb, kt_d, vb, v_l, KV_BF16, ks, vs, 1, D, scale, p_scale, s, Lpad); \
         else if (kind == KV_BF16) rows_attention(qr, o, mask, hi, R, ktb, kt_d, vb, v_l, KV_BF16, ks, vs, 0, D, scale, p_scale, s, Lpad); \
         else rows_attention(qr, o, mask, hi, R, ktb, kt_d, vb, v_l, KV_F32, ks, vs, 0, D, scale, p_scale, s, Lpad);      \
     } while (0)
@@ -370,9 +369,9 @@ static inline __attribute__((always_inline)) void rows_attention(
      q      FP32 [B, H, T, D], contiguous; out the same;
      kt     keys transposed [B, Hkv, D, *] (slot axis contiguous), strides kt_b, kt_h, kt_d;
      v      values [B, Hkv, *, D] (D contiguous), strides v_b, v_h, v_l;
-            both FP32 (kind KV_F32), BF16 bits (KV_BF16) or E4M3 codes (KV_E4M3, scales required),
-            then times k_scale[h] / v_scale[h] where those are given (FP8 K/V: the E4M3 values
-            and their per-head scales);
+            FP32 (kind KV_F32) or BF16 bits (KV_BF16) as they are, or E4M3 codes (KV_E4M3) times
+            k_scale[h] / v_scale[h] (FP8 K/V: the E4M3 values and their per-head scales; the
+            other kinds take no scales);
      blocked uint8 [B, T, Lpad] (1: slot not attended; Lpad = L rounded up to 16, the padding 1),
             strides m_b, m_t;
      D a multiple of 16; work: threads * 4 * Lpad floats (each thread its rows of scores). The

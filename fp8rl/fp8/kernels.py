@@ -250,8 +250,8 @@ def attention(
     """``fp8rl_attention`` (kernels.c: its arithmetic, row by row): softmax attention of
     ``q`` FP32 [B, H, T, D] over the first ``length`` key slots of ``kt`` [B, Hkv, D, >=length]
     (keys transposed, slot axis contiguous) and ``v`` [B, Hkv, >=length, D], both FP32, BF16
-    or E4M3 (``torch.float8_e4m3fn``, read as bytes: half of BF16's memory traffic), each
-    times its per-KV-head FP32 scale [Hkv] where given (E4M3: required, FP32: none);
+    or E4M3 (``torch.float8_e4m3fn``, read as bytes: half of BF16's memory traffic; each
+    times its per-KV-head FP32 scale [Hkv], ``k_scale`` and ``v_scale``, which only E4M3 takes);
     ``mask`` from ``padded_mask`` (True/1: not attended); ``p_scale`` > 0 stores P in E4M3
     at that scale. -> FP32 [B, H, T, D]. A row's result does not depend on the other rows,
     on ``length`` beyond its live slots, or on the storage (FP32, BF16, E4M3) of the same
@@ -262,11 +262,9 @@ def attention(
     if kt.dtype != v.dtype or kt.dtype not in KV_KINDS:
         raise ValueError(f"attention: keys and values must both be FP32, BF16 or float8_e4m3fn, "
                          f"got {kt.dtype} and {v.dtype}")
-    scaled = {k_scale is not None, v_scale is not None}
-    if len(scaled) != 1 or (kt.dtype == torch.float8_e4m3fn and False in scaled) or (
-            kt.dtype == torch.float32 and True in scaled):
-        raise ValueError(f"attention: {kt.dtype} keys and values take both scales or none "
-                         f"(float8_e4m3fn: both, float32: none)")
+    fp8 = kt.dtype == torch.float8_e4m3fn
+    if (k_scale is not None) != fp8 or (v_scale is not None) != fp8:
+        raise ValueError(f"attention: float8_e4m3fn keys and values take both scales, {kt.dtype} ones none")
     chunks = -(-length // 16) * 16  # the kernel reads keys and mask in whole 16-slot chunks
     if kt.stride(-1) != 1 or v.stride(-1) != 1 or mask.stride(-1) != 1:
         raise ValueError("attention: keys, values and mask need a contiguous last axis")

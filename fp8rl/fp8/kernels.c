@@ -210,9 +210,11 @@ static inline vf load_e4m3_div256(const uint8_t *p) {
     vb8 b;
     memcpy(&b, p, sizeof b);
     const vh c = __builtin_convertvector(b, vh);
+#if defined(__AVX512F__) || defined(__F16C__)
     vh h = ((c & 0x7F) << 7) | ((c & 0x80) << 8);
     const vh nan = (vh)((c & 0x7F) == 0x7F);
     h = (h & ~nan) | (nan & 0x7E00); /* NaN stays NaN */
+#endif
 #if defined(__AVX512F__)
     __m256i hi;
     memcpy(&hi, &h, sizeof hi);
@@ -235,7 +237,6 @@ static inline vf load_e4m3_div256(const uint8_t *p) {
     const vf subnormal = __builtin_convertvector((vi)em, vf) * 0x1p-17f; /* m * 2**-9 * 2**-8 */
     vf mag = select_vf((vi)(em < 8u), subnormal, normal);
     mag = select_vf((vi)(em == 0x7Fu), splat(NAN), mag);
-    (void)h;
     return (vf)((vu)mag | ((u & 0x80u) << 24));
 #endif
 }
@@ -285,7 +286,8 @@ static inline vf exp_nonpos_v(vf x) {
 static inline __attribute__((always_inline)) void rows_attention(
     const float *const *qr, float *const *o, const uint8_t *const *mask, const int64_t *hi_of, const int R,
     const void *kt, int64_t kt_d, const void *v, int64_t v_l, const int kind, float ks, float vs,
-    const int scaled, int64_t D, float scale, float p_scale, float *s, int64_t Lpad) {
+    int64_t D, float scale, float p_scale, float *s, int64_t Lpad) {
+    const int scaled = kind == KV_E4M3; /* only E4M3 codes carry per-head scales */
     int64_t hi = 0;
     for (int r = 0; r < R; r++) hi = hi_of[r] > hi ? hi_of[r] : hi;
     const int64_t nch = (hi + LANES - 1) / LANES;
@@ -359,9 +361,9 @@ static inline __attribute__((always_inline)) void rows_attention(
 
 #define ROWS_CALL(R)                                                                                            \
     do {                                                                                                        \
-        if (kind == KV_E4M3) rows_attention(qr, o, mask, hi, R, ktb, kt_d, vb, v_l, KV_E4M3, ks, vs, 1, D, scale, p_scale, s, Lpad); \
-        else if (kind == KV_BF16) rows_attention(qr, o, mask, hi, R, ktb, kt_d, vb, v_l, KV_BF16, ks, vs, 0, D, scale, p_scale, s, Lpad); \
-        else rows_attention(qr, o, mask, hi, R, ktb, kt_d, vb, v_l, KV_F32, ks, vs, 0, D, scale, p_scale, s, Lpad);      \
+        if (kind == KV_E4M3) rows_attention(qr, o, mask, hi, R, ktb, kt_d, vb, v_l, KV_E4M3, ks, vs, D, scale, p_scale, s, Lpad); \
+        else if (kind == KV_BF16) rows_attention(qr, o, mask, hi, R, ktb, kt_d, vb, v_l, KV_BF16, ks, vs, D, scale, p_scale, s, Lpad); \
+        else rows_attention(qr, o, mask, hi, R, ktb, kt_d, vb, v_l, KV_F32, ks, vs, D, scale, p_scale, s, Lpad);      \
     } while (0)
 
 /* out[b, h, t] = softmax attention of q[b, h, t] over the first L key slots of KV head

@@ -204,13 +204,15 @@ def test_amx_bf16_matmul_writes_bf16_values():
 
 
 def test_amx_rows_are_independent_of_chunking():
-    # Long inputs are cut into calls of _NATIVE_ROWS rows; a row must come out
-    # the same whichever call and position it lands in.
+    # Long inputs are cut into calls of a measured tile (128 rows or a longer one,
+    # backends._long_tiles); a row must come out the same whichever call and position it lands in.
     g = torch.Generator().manual_seed(9)
     for k, n in [(576, 1536), (1536, 576), (128, 384)]:
-        x, w = torch.randn(3 * _NATIVE_ROWS + 7, k, generator=g), torch.randn(n, k, generator=g)
+        big = max(fb._NATIVE_LONG_CANDIDATES)  # past the longest tile this CPU may have picked
+        x, w = torch.randn(3 * big + 7, k, generator=g), torch.randn(n, k, generator=g)
         full = bf16_matmul(x, w, "amx")
-        for lo, hi in [(0, 1), (0, 16), (5, 5 + _NATIVE_ROWS), (_NATIVE_ROWS - 3, 2 * _NATIVE_ROWS + 1)]:
+        for lo, hi in [(0, 1), (0, 16), (5, 5 + _NATIVE_ROWS), (_NATIVE_ROWS - 3, 2 * _NATIVE_ROWS + 1),
+                       (100, 100 + big), (big - 3, 2 * big + 1)]:
             assert torch.equal(bf16_matmul(x[lo:hi], w, "amx"), full[lo:hi]), (k, n, lo, hi)
 
 
@@ -349,18 +351,19 @@ def test_row_tiles_are_measured_and_keep_rows_independent_of_the_batch(kind: str
     choice: every smaller candidate it skipped really differs)."""
     g = torch.Generator().manual_seed(14)
     for k, n in [(576, 1536), (1536, 576), (576, 576), (128, 384)]:
-        x = fb.order_sensitive_rows(3 * _NATIVE_ROWS + 7, k, g)
         w = fb.order_sensitive_cols(n, k, g)
         if kind == "native":
-            tiles, candidates = fb._native_row_tiles(k, n), fb._NATIVE_TILE_CANDIDATES
+            tiles = fb._native_row_tiles(k, n)
+            candidates = fb._NATIVE_TILE_CANDIDATES + fb._NATIVE_LONG_CANDIDATES
             cache: dict = {}
             run = lambda rows: bf16_matmul(rows, w, "amx", cache)  # noqa: E731
         else:
             tiles, candidates = fb._fp32_row_tiles(128, n), fb._TILE_CANDIDATES
             run = lambda rows: bf16_matmul(rows, w, "cpu")  # noqa: E731
         assert tiles.big in candidates and set(tiles.sizes) <= set(candidates)
+        x = fb.order_sensitive_rows(3 * tiles.big + 7, k, g)  # three long tiles and a padded one
         full = run(x)
-        spans = [(0, 1), (3, 19), (200, 3 * _NATIVE_ROWS)] + [(40, 40 + t) for t in tiles.sizes] + [(9, 9 + t - 3) for t in tiles.sizes]
+        spans = [(0, 1), (3, 19), (200, 3 * tiles.big)] + [(40, 40 + t) for t in tiles.sizes] + [(9, 9 + t - 3) for t in tiles.sizes]
         for lo, hi in spans:
             assert torch.equal(run(x[lo:hi]), full[lo:hi]), (kind, k, n, lo, hi)
 

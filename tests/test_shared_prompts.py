@@ -180,3 +180,47 @@ def test_prompt_kv_refuses_a_completion_call_that_does_not_follow_the_prompt():
         kv.update(0, 4, torch.zeros(2, 2, 1, 4), torch.zeros(2, 2, 1, 4))
     with pytest.raises(ValueError, match="exceed cache_len"):
         kv.update(0, 3, torch.zeros(2, 2, 6, 4), torch.zeros(2, 2, 6, 4))
+
+
+def _serial_index_backward(x: torch.Tensor, of_row: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``x[of_row]``'s own backward on one thread: index_put_ accumulating row by row."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return torch.zeros_like(x).index_put_((of_row,), grad, accumulate=True)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("of_row", [
+    [0] * 8 + [1] * 8 + [2] * 8,  # a GRPO batch: 3 groups of 8, the middle one across the threads' split
+    [0, 1, 0, 2, 1, 0, 2, 2, 0, 1],  # interleaved, groups of unequal size
+    [0, 1, 2],  # one row per prompt
+])
+def test_rows_of_prompts_backward_adds_in_row_order_on_any_threads(of_row: list[int]):
+    """The gradient of a shared prompt is its rows' sum in row order from zero, the bits
+    ``x[of_row]``'s own backward gives on one thread, run after run on two threads (where
+    that backward splits the middle prompt's rows between the threads: this test fails
+    for ``x[of_row]``)."""
+    from fp8rl.rollout.kv_cache import rows_of_prompts
+
+    of_row_t = torch.tensor(of_row)
+    U = int(of_row_t.max()) + 1
+    g = torch.Generator().manual_seed(0)
+    # Magnitudes spread over 12 decades: any other order of a prompt's adds rounds differently.
+    grad = torch.randn(len(of_row), 2, 43, 32, generator=g) * torch.logspace(-6, 6, len(of_row))[:, None, None, None]
+    x = torch.randn(U, 2, 43, 32, generator=g, requires_grad=True)
+    expected = _serial_index_backward(x.detach(), of_row_t, grad)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the suite runs on one (conftest.py); the split needs two
+    try:
+        for _ in range(20):
+            y = rows_of_prompts(x, of_row_t)
+            assert torch.equal(y, x.detach()[of_row_t])
+            (dx,) = torch.autograd.grad(y, x, grad)
+            assert torch.equal(dx, expected)
+    finally:
+        torch.set_num_threads(threads)
+    # The order matters at these magnitudes: the rows summed last to first give other bits.
+    reversed_sum = _serial_index_backward(x.detach(), of_row_t.flip(0), grad.flip(0))
+    assert U == len(of_row) or not torch.equal(reversed_sum, expected)

@@ -42,6 +42,8 @@ backend drop what it does only for batch invariance.
 from __future__ import annotations
 
 import functools
+import math
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -332,14 +334,52 @@ _FALLBACK_TILES = RowTiles((_NATIVE_ROWS,))
 _NATIVE_TILE_CANDIDATES = (128, 64, 48, 40, 36, 33, 32, 16)
 
 
+# Tiles longer than 128 rows for long inputs (a prefill, the training forward): a call
+# streams its weight from memory once, so fewer, longer calls read it fewer times. Whether
+# a length gives the 128-row bits depends on the shape (measured 2026-12-07 on a 2-core
+# Xeon with AMX: 160-192 rows everywhere in SmolLM2, 256-768 at some shapes only), and
+# whether it is faster too (gate/up 1.6x at 384 rows, q/k/v 1.9x; down_proj's K = 1536 and
+# the LM head's 49,152 outputs fastest at 128-192): both are measured per shape.
+_NATIVE_LONG_CANDIDATES = (192, 256, 384, 512, 768)
+
+
 @functools.lru_cache(maxsize=None)
 def _native_row_tiles(k: int, n: int) -> RowTiles:
     """``_measure_row_tiles`` of ``_row_gemm`` for a BF16 ``[N=n, K=k]`` weight,
-    measured once per shape on this CPU (``_NATIVE_TILE_CANDIDATES``)."""
+    measured once per shape on this CPU (``_NATIVE_TILE_CANDIDATES``), then
+    widened by ``_long_tiles``."""
     g = torch.Generator().manual_seed(k * 100_003 + n)
     a = order_sensitive_rows(192, k, g).bfloat16()
     gemm = _row_gemm(order_sensitive_cols(n, k, g).bfloat16(), {})
-    return _measure_row_tiles(gemm, a, _NATIVE_TILE_CANDIDATES) or _FALLBACK_TILES
+    tiles = _measure_row_tiles(gemm, a, _NATIVE_TILE_CANDIDATES)
+    return _FALLBACK_TILES if tiles is None else _long_tiles(gemm, tiles, k, g)
+
+
+def _long_tiles(gemm: Callable[[torch.Tensor], torch.Tensor], tiles: RowTiles, k: int,
+                generator: torch.Generator, repeats: int = 3) -> RowTiles:
+    """``tiles`` with longer sizes (``_NATIVE_LONG_CANDIDATES``) that are usable
+    (``_measure_row_tiles``) and give every row the bits of ``tiles.big``'s calls,
+    up to the one that computes a row fastest: that one becomes ``big``, which a long
+    input is cut into, and the sizes between serve the inputs that fit them. The
+    speed is timed (best of ``repeats`` calls per size), so two processes may pick
+    different lengths, never different bits: every size kept computes the same bits."""
+    a = order_sensitive_rows(3 * max(_NATIVE_LONG_CANDIDATES) // 2, k, generator).bfloat16()
+    equal = [t for t in _NATIVE_LONG_CANDIDATES
+             if _measure_row_tiles(gemm, a, (t,)) is not None
+             and torch.equal(gemm(a[:t]), _tiled_rows(a[:t], tiles, gemm))]
+    if not equal:
+        return tiles
+
+    def seconds_per_row(t: int) -> float:
+        best = math.inf
+        for _ in range(repeats):
+            start = time.perf_counter()
+            gemm(a[:t])
+            best = min(best, time.perf_counter() - start)
+        return best / t
+
+    fastest = min((tiles.big, *equal), key=seconds_per_row)
+    return RowTiles((*tiles.sizes, *(t for t in equal if t <= fastest)), tiles.batched)
 
 
 @functools.lru_cache(maxsize=None)
@@ -816,8 +856,8 @@ class AMXBackend(Backend):
     for FP32 scales) and multiplied in one full-K BF16 GEMM with FP32
     accumulation and a BF16 output, as GPU BF16/FP8 GEMMs write theirs: about
     50 dB SQNR against ``reference``. Weights are prepacked for oneDNN once per
-    quantization. Batch-invariant by measurement: every call runs on exactly
-    ``_NATIVE_ROWS`` rows, or a measured smaller count (``_native_rows``)."""
+    quantization. Batch-invariant by measurement: every call runs on exactly one of
+    the row counts measured per shape to give the same bits (``_native_rows``)."""
 
     name = "amx"
     batch_invariant = True
@@ -860,6 +900,7 @@ class AMXBackend(Backend):
     def head_grads(
         self, grad: torch.Tensor, h: torch.Tensor, w: torch.Tensor, need_dh: bool, need_dw: bool
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        grad = grad.bfloat16()  # what both GEMMs round it to: once, not once each ([N, vocab])
         dh = self.bf16_matmul(grad, w.T, {}, invariant=False) if need_dh else None
         dw = self.bf16_matmul(grad.T, h.T, {}, invariant=False) if need_dw else None
         return dh, dw

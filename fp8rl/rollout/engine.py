@@ -25,7 +25,7 @@ from fp8rl.fp8 import kernels
 from fp8rl.model.transformer import KEY_SLOT_STEP, Transformer, make_context
 from fp8rl.precision import phase
 
-from .kv_cache import KVCache, PromptKV
+from .kv_cache import KVCache, PromptKV, rows_of_prompts
 
 
 @dataclass(frozen=True)
@@ -197,14 +197,24 @@ class _TokenLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logp: torch.Tensor, _grad_entropy: torch.Tensor):
         # torch's own backward of log_softmax -> gather (-> / temperature), row by row:
         # the log-softmax is recomputed per chunk (same bits) instead of kept [N, V].
+        # Each chunk's one-hot gradient lives in one zero buffer (its entries set, then
+        # reset to zero), and the chunk's gradient is written in place: no vocabulary-sized
+        # zero fill or copy per chunk.
         logits, target = ctx.saved_tensors
         N, V = logits.shape
         grad = torch.empty_like(logits)
+        one_hot = None
         for rows in _row_chunks(N, V, logits.element_size()):
             ls = _log_softmax(logits[rows], ctx.temperature)
-            g_ls = torch.zeros_like(ls).scatter_add_(-1, target[rows, None], grad_logp[rows, None])
-            g = torch._log_softmax_backward_data(g_ls, ls, -1, ls.dtype)
-            grad[rows] = g / ctx.temperature if ctx.temperature != 1.0 else g
+            if one_hot is None:  # the first chunk is the largest
+                one_hot = torch.zeros_like(ls)
+            g_ls, at = one_hot[: ls.shape[0]], target[rows, None]
+            g_ls.scatter_add_(-1, at, grad_logp[rows, None])  # 0 + g, as on a fresh zero tensor
+            out = grad[rows]
+            torch.ops.aten._log_softmax_backward_data.out(g_ls, ls, -1, ls.dtype, out=out)
+            g_ls.scatter_(-1, at, 0.0)
+            if ctx.temperature != 1.0:
+                out.div_(ctx.temperature)
         return grad, None, None, None
 
 
@@ -541,7 +551,7 @@ def forward_shared_prompts(
     S = tokens.shape[1]
     prompt, rest = hidden_shared_prompts(model, tokens, rollout.pad_left, P, rollout.cache_len, first, of_row,
                                          stop=S - 1, routing=routing)
-    h = prompt[:, -1:][of_row]  # [B, 1, D]: position P-1 of each row
+    h = rows_of_prompts(prompt[:, -1:], of_row)  # [B, 1, D]: position P-1 of each row
     if rest is not None:
         h = torch.cat([h, rest], dim=1)  # [B, S - P, D]
     return model.logits(h)

@@ -151,9 +151,24 @@ class PromptKV:
             if layer not in self.k or self.k[layer].shape[2] != start:
                 raise ValueError(f"layer {layer}: the completion call starts at slot {start}, "
                                  f"not where the prompt call ended")
-            parts_k, parts_v = [self.k[layer][self.of_row], k], [self.v[layer][self.of_row], v]
+            parts_k = [rows_of_prompts(self.k[layer], self.of_row), k]
+            parts_v = [rows_of_prompts(self.v[layer], self.of_row), v]
         free = self.cache_len - start - k.shape[2]
         if free < 0:
             raise ValueError(f"KV overflow: slots [{start}, {start + k.shape[2]}) exceed cache_len {self.cache_len}")
         zeros = k.new_zeros((*parts_k[-1].shape[:2], free, k.shape[3]))  # masked key slots, as F.pad's
         return torch.cat([*parts_k, zeros], dim=2), torch.cat([*parts_v, zeros], dim=2)
+
+
+def rows_of_prompts(x: torch.Tensor, of_row: torch.Tensor) -> torch.Tensor:
+    """Each row's prompt: x [U, ...] (one entry per distinct prompt), of_row
+    LongTensor[B] -> ``x[of_row]`` [B, ...], as ``index_select``.
+
+    Its backward (``index_add_``) adds a prompt's row gradients one row at a time in
+    row order, from zero, on any number of threads. The backward of ``x[of_row]``
+    (``index_put_`` accumulating) splits that sum between two threads, so a prompt
+    whose rows fell on both sides of the split (3 prompts of 8 rows) got other bits
+    than on one thread, and different bits from one run to the next (measured
+    2026-12-07, torch 2.13, tests/test_shared_prompts.py); it was also 6-8x slower
+    (a tiny-arith layer's K: 1215 against 188 us)."""
+    return x.index_select(0, of_row)

@@ -1,14 +1,18 @@
-"""Old code against new: one flow's rollout tokens/s under a git revision and under the working
-tree, in alternating fresh processes (the VM's speed drifts by 5-10% over minutes, so only
-rounds run side by side compare).
+"""Old code against new: one flow's rollout tokens/s (or, with `--step`, its GRPO step) under a
+git revision and under the working tree, in alternating fresh processes (the VM's speed drifts by
+5-10% over minutes, so only rounds run side by side compare).
 
 The revision is checked out into a temporary worktree and put first on PYTHONPATH for its
 processes; the compiled kernels are cached per source, so both builds coexist. Each process
 runs `fp8rl.bench.bench_rollout` (a warm-up, then `--repeats` timed rollouts, their median) on
-the held-out `arith` prompts with EOS disabled, as benchmarks/rollout.py does.
+the held-out `arith` prompts with EOS disabled, as benchmarks/rollout.py does. With `--step`,
+it runs vs_trl.py's fp8rl side instead (`run_fp8rl`: that model's vs_trl shape, one warm-up step,
+then `--repeats` timed GRPO steps, their mean) and reports steps per second, so the ratio reads
+the same way (above 1: the working tree is faster).
 
     python benchmarks/code_ab.py --base 9c01299 --model smollm2-135m-instruct --flow bf16 \\
         --batch 64 --max-new-tokens 128 --rounds 3
+    python benchmarks/code_ab.py --base 8d1e6cf --model tiny-arith --step --repeats 8 --rounds 3
 
 Prints one JSON object on stdout (every round's tokens/s, the new/old ratio per round and of
 the medians) and a table on stderr.
@@ -47,14 +51,37 @@ r = bench_rollout(src, flow, fast_backend(model).name, prompts, new, tok.pad_tok
 print(json.dumps({"fp8rl": fp8rl.__file__, "tokens_per_s": r["tokens_per_s"], "backend": r["backend"]}))
 """
 
+_STEP_CHILD = """
+import json, sys, tempfile
+from pathlib import Path
+from fp8rl.allocator import keep_freed_memory
+keep_freed_memory()
+import fp8rl
+from fp8rl.fp8.backends import fast_backend
+from fp8rl.model import load
+from vs_trl import DEFAULT_SHAPES, run_fp8rl
+src, flow, repeats = sys.argv[1], sys.argv[2], int(sys.argv[3])
+P, G, L = DEFAULT_SHAPES[src]
+model, _ = load(src)
+backend = fast_backend(model).name
+del model
+with tempfile.TemporaryDirectory() as tmp:
+    r = run_fp8rl(src, flow, backend, P, G, L, 1e-6, repeats, Path(tmp))
+print(json.dumps({"fp8rl": fp8rl.__file__, "tokens_per_s": 1.0 / r["step_s"], "backend": backend,
+                  "step_s": r["step_s"], "train_s": r["time_train_s"], "rollout_s": r["time_rollout_s"]}))
+"""
 
-def run_once(pythonpath: str | None, args: argparse.Namespace) -> dict:
+
+def run_once(pythonpath: str, args: argparse.Namespace) -> dict:
     env = dict(os.environ)
-    if pythonpath:
-        env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
-    done = subprocess.run(
-        [sys.executable, "-c", _CHILD, args.model, args.flow, str(args.batch), str(args.max_new_tokens),
-         str(args.repeats)], capture_output=True, text=True, env=env, cwd=tempfile.gettempdir())
+    env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
+    if args.step:  # vs_trl.py (run_fp8rl) from this folder, fp8rl from PYTHONPATH's first entry
+        env["PYTHONPATH"] = env["PYTHONPATH"] + os.pathsep + str(Path(__file__).resolve().parent)
+        argv = [_STEP_CHILD, args.model, args.flow, str(args.repeats)]
+    else:
+        argv = [_CHILD, args.model, args.flow, str(args.batch), str(args.max_new_tokens), str(args.repeats)]
+    done = subprocess.run([sys.executable, "-c", *argv], capture_output=True, text=True, env=env,
+                          cwd=tempfile.gettempdir())
     if done.returncode != 0:
         raise SystemExit(f"a benchmark process failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -67,7 +94,11 @@ def main() -> int:
     ap.add_argument("--flow", default="bf16")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3, help="timed rollouts per process (their median)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="timed rollouts per process (their median), or with --step timed GRPO steps (their mean)")
+    ap.add_argument("--step", action="store_true",
+                    help="time vs_trl.py's GRPO step of the model (its shape; --batch, --max-new-tokens unused) "
+                         "instead of a fixed-length rollout; reported as steps/s")
     ap.add_argument("--rounds", type=int, default=3, help="old, new pairs")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -83,15 +114,24 @@ def main() -> int:
                     raise SystemExit(f"imported the wrong code: {old['fp8rl']}, {new['fp8rl']}")
                 rounds.append({"old": old["tokens_per_s"], "new": new["tokens_per_s"],
                                "ratio": new["tokens_per_s"] / old["tokens_per_s"]})
-                print(f"round {i + 1}: old {old['tokens_per_s']:.1f}  new {new['tokens_per_s']:.1f}  "
-                      f"new/old {rounds[-1]['ratio']:.3f}  ({new['backend']})", file=sys.stderr)
+                if args.step:
+                    for side, r in (("old", old), ("new", new)):
+                        rounds[-1][side + "_parts"] = {k: r[k] for k in ("step_s", "train_s", "rollout_s")}
+                    what = (f"old step {old['step_s']:.3f} s (train {old['train_s']:.3f})  new step "
+                            f"{new['step_s']:.3f} s (train {new['train_s']:.3f})")
+                else:
+                    what = f"old {old['tokens_per_s']:.1f}  new {new['tokens_per_s']:.1f} tok/s"
+                print(f"round {i + 1}: {what}  new/old speed {rounds[-1]['ratio']:.3f}  ({new['backend']})",
+                      file=sys.stderr)
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], capture_output=True)
     old_m = statistics.median(r["old"] for r in rounds)
     new_m = statistics.median(r["new"] for r in rounds)
-    print(f"medians: old {old_m:.1f}, new {new_m:.1f} tok/s: {new_m / old_m:.3f}x", file=sys.stderr)
+    unit = "steps/s" if args.step else "tok/s"
+    print(f"medians: old {old_m:.3f}, new {new_m:.3f} {unit}: {new_m / old_m:.3f}x", file=sys.stderr)
     print(json.dumps({"cpu": cpu_name(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                      "base": args.base, "model": args.model, "flow": args.flow, "batch": args.batch,
+                      "base": args.base, "model": args.model, "flow": args.flow, "step": args.step,
+                      "unit": "steps/s" if args.step else "tok/s", "batch": args.batch,
                       "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "rounds": rounds,
                       "median_ratio": new_m / old_m}, indent=2))
     return 0

@@ -364,6 +364,8 @@ def _long_tiles(gemm: Callable[[torch.Tensor], torch.Tensor], tiles: RowTiles, k
     the inputs that fit them. Timing first spares the bit checks of the sizes too slow
     to matter (the LM head's 49,152 outputs: 0.3 s instead of 1.3 s). Two processes may
     pick different lengths, never different bits: every size kept computes the same bits."""
+    if not _NATIVE_LONG_CANDIDATES:
+        return tiles
     a = order_sensitive_rows(3 * max(_NATIVE_LONG_CANDIDATES) // 2, k, generator).bfloat16()
 
     def seconds_per_row(t: int) -> float:
@@ -1012,7 +1014,7 @@ def _invariance_probe(
     g = torch.Generator().manual_seed(0)
     # More than two of the longest row tiles (_long_tiles), so that a row's position in its
     # tile varies and the parts run on other tile lengths than the whole.
-    rows = 2 * max(_NATIVE_LONG_CANDIDATES) + 37
+    rows = 2 * max(_NATIVE_LONG_CANDIDATES, default=_NATIVE_ROWS) + 37
     subsets = [slice(0, 1), slice(17, 18), slice(150, 151), slice(rows - 1, rows), slice(8, 24), slice(100, 200),
                slice(700, 900)]
     failures = []

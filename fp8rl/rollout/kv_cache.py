@@ -164,8 +164,9 @@ def rows_of_prompts(x: torch.Tensor, of_row: torch.Tensor) -> torch.Tensor:
     """Each row's prompt: x [U, ...] (one entry per distinct prompt), of_row
     LongTensor[B] -> ``x[of_row]`` [B, ...], as ``index_select``.
 
-    Its backward (``index_add_``) adds a prompt's row gradients one row at a time in
-    row order, from zero, on any number of threads. The backward of ``x[of_row]``
+    Its backward (a ``scatter_add_`` into zeros in torch 2.13) adds a prompt's row
+    gradients in row order, from zero, on any number of threads: the bits ``x[of_row]``'s
+    backward gives on one thread (tests/test_shared_prompts.py). The backward of ``x[of_row]``
     (``index_put_`` accumulating) splits that sum between two threads, so a prompt
     whose rows fell on both sides of the split (3 prompts of 8 rows) got other bits
     than on one thread, and different bits from one run to the next (measured

@@ -80,6 +80,12 @@ def run_once(pythonpath: str, args: argparse.Namespace) -> dict:
         argv = [_STEP_CHILD, args.model, args.flow, str(args.repeats)]
     else:
         argv = [_CHILD, args.model, args.flow, str(args.batch), str(args.max_new_tokens), str(args.repeats)]
+    return run_child(argv, env)
+
+
+def run_child(argv: list[str], env: dict[str, str]) -> dict:
+    """``python -c argv[0] argv[1:]`` in a fresh process (cwd: the temp folder, so that the
+    checkout's own folder does not shadow PYTHONPATH); the JSON object on its last stdout line."""
     done = subprocess.run([sys.executable, "-c", *argv], capture_output=True, text=True, env=env,
                           cwd=tempfile.gettempdir())
     if done.returncode != 0:

@@ -23,11 +23,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
+from code_ab import run_child
 from vs_trl import cpu_name
 
 _CHILD = """
@@ -76,12 +75,8 @@ print(json.dumps(out))
 
 
 def run(args: argparse.Namespace, on: bool) -> dict:
-    done = subprocess.run(
-        [sys.executable, "-c", _CHILD, args.model, args.flow, str(args.rows), str(args.tokens), str(args.repeats),
-         "on" if on else "off"], capture_output=True, text=True, cwd=tempfile.gettempdir(), env=dict(os.environ))
-    if done.returncode != 0:
-        raise SystemExit(f"a benchmark process failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_child([_CHILD, args.model, args.flow, str(args.rows), str(args.tokens), str(args.repeats),
+                      "on" if on else "off"], dict(os.environ))
 
 
 def main() -> int:

@@ -166,10 +166,9 @@ def rows_of_prompts(x: torch.Tensor, of_row: torch.Tensor) -> torch.Tensor:
 
     Its backward (a ``scatter_add_`` into zeros in torch 2.13) adds a prompt's row
     gradients in row order, from zero, on any number of threads: the bits ``x[of_row]``'s
-    backward gives on one thread (tests/test_shared_prompts.py). The backward of ``x[of_row]``
-    (``index_put_`` accumulating) splits that sum between two threads, so a prompt
-    whose rows fell on both sides of the split (3 prompts of 8 rows) got other bits
-    than on one thread, and different bits from one run to the next (measured
+    backward gives on one thread. That backward (``index_put_`` accumulating) splits the
+    sum between two threads, so a prompt whose rows fell on both sides of the split
+    (3 prompts of 8 rows) got other bits, different from one run to the next (measured
     2026-12-07, torch 2.13, tests/test_shared_prompts.py); it was also 6-8x slower
     (a tiny-arith layer's K: 1215 against 188 us)."""
     return x.index_select(0, of_row)

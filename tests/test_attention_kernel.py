@@ -130,6 +130,30 @@ def test_bf16_and_scaled_storage_give_the_bits_of_the_fp32_values():
         _run(q, ky, vy, ctx, store=torch.bfloat16, k_scale=ks, v_scale=vs)
 
 
+@pytest.mark.parametrize("store", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "e4m3"])
+def test_kv_widened_once_per_item_gives_the_bits_of_the_cache_read_directly(store):
+    """A prefill or training forward (several groups of 4 query rows per KV head) widens its
+    BF16 or E4M3 keys and values to FP32 once; a decode step (one group) reads its cache.
+    Each query row alone (a call of its own, the direct path) gets the bits it gets among
+    all rows."""
+    lib, kind = kernels.library(), kernels.KV_KINDS[store]
+    assert lib.fp8rl_attention_work(kind, 12, 64, 48) > lib.fp8rl_attention_work(kind, 3, 64, 48) == 4 * 48
+    assert lib.fp8rl_attention_work(kernels.KV_KINDS[torch.float32], 12, 64, 48) == 4 * 48  # FP32: read as is
+    q, k, v, ctx = _case(2, 9, 3, 6, 40, 64, seed=11)
+    scales = {}
+    if store == torch.float8_e4m3fn:
+        scales = {"k_scale": torch.tensor([0.011, 0.02, 0.0071]), "v_scale": torch.tensor([0.3, 2.0 ** -110, 0.9])}
+        k, v = e4m3_values(k, scales["k_scale"].view(1, -1, 1, 1)), e4m3_values(v, scales["v_scale"].view(1, -1, 1, 1))
+    L = k.shape[2]
+    kt = torch.nn.functional.pad(k.transpose(-1, -2), (0, -L % 16)).contiguous().to(store)
+    vv, mask = v.contiguous().to(store), ctx.kernel_mask()
+    scale = 1 / math.sqrt(q.shape[-1])
+    together = kernels.attention(q, kt, vv, mask, L, scale, p_scale=P_SCALE, **scales)
+    for t in range(q.shape[2]):
+        alone = kernels.attention(q[:, :, t : t + 1], kt, vv, mask[:, t : t + 1], L, scale, p_scale=P_SCALE, **scales)
+        assert torch.equal(alone, together[:, :, t : t + 1])
+
+
 def test_e4m3_storage_keeps_nan():
     """A NaN key read from E4M3 codes (0x7F) poisons its rows as the FP32 value does."""
     q, k, v, ctx = _case(1, 3, 1, 1, 16, 64, seed=9)

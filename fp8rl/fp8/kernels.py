@@ -131,6 +131,8 @@ def library() -> ctypes.CDLL | None:
     lib.fp8rl_attention.restype = None
     lib.fp8rl_attention.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, ptr, *[i64] * 6, ptr, *[i64] * 9,
                                     ctypes.c_float, ctypes.c_float, ptr, ptr, ctypes.c_int]
+    lib.fp8rl_attention_work.restype = i64
+    lib.fp8rl_attention_work.argtypes = [ctypes.c_int, i64, i64, i64]
     lib.fp8rl_rope_store.restype = None
     lib.fp8rl_rope_store.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, ptr, *[i64] * 5, ctypes.c_int, ptr,
                                      ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, i64, i64, i64, i64,
@@ -273,13 +275,16 @@ def attention(
                          f"{length}, head size {D}; got {tuple(kt.shape)}, {tuple(mask.shape)}, {tuple(v.shape)}")
     q = q.float().contiguous()
     out = torch.empty_like(q)
+    kind = KV_KINDS[kt.dtype]
     scales = [s.float().contiguous() if s is not None else None for s in (k_scale, v_scale)]
-    args = (q.data_ptr(), kt.data_ptr(), v.data_ptr(), KV_KINDS[kt.dtype],
+    args = (q.data_ptr(), kt.data_ptr(), v.data_ptr(), kind,
             *[s.data_ptr() if s is not None else None for s in scales],
             kt.stride(0), kt.stride(1), kt.stride(2), v.stride(0), v.stride(1), v.stride(2),
             mask.data_ptr(), mask.stride(0), mask.stride(1))
     threads = _threads()
-    work = torch.empty(threads * 4 * chunks)  # the kernel's scratch: 4 rows of scores per thread
+    # The kernel's scratch per thread: 4 rows of scores, and where several groups of query rows
+    # read E4M3 keys and values, the item's keys and values widened once to FP32.
+    work = torch.empty(threads * lib.fp8rl_attention_work(kind, (H // Hkv) * T, D, chunks))
     lib.fp8rl_attention(*args, 0, B, H, Hkv, T, D, length, scale, p_scale, out.data_ptr(), work.data_ptr(),
                         threads)
     return out

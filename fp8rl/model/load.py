@@ -34,10 +34,12 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+from torch.overrides import TorchFunctionMode
 
 from .config import ModelConfig, read_json_object
 from .tokenizer import TOKENIZER_FILE, Tokenizer
 from .transformer import Transformer
+from .vector_math import initialize_vector_math
 
 BUILTIN_MODELS = ("tiny-arith", "tiny-moe", "tiny-chain", "smollm2-135m-instruct")
 # How each built-in tiny policy is rebuilt (the command is also in its sft.json).
@@ -79,16 +81,7 @@ def load(source: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Transf
             f"{tokenizer_file}: the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size "
             f"is {config.vocab_size}; are the tokenizer and the weights from the same model?"
         )
-    try:
-        model = Transformer(config)
-    except RuntimeError as e:  # the allocator refused: sizes far beyond the checkpoint's
-        raise ValueError(f"{config_file}: cannot allocate the model it describes: {e}") from e
-    load_into(model, state, where=str(path))
-    if dtype != torch.float32:
-        # Parameters only: buffers such as the RoPE inverse frequencies stay float32
-        # (model.to(dtype) would round them). parameters() yields a tied weight once.
-        for p in model.parameters():
-            p.data = p.data.to(dtype)
+    model = model_from_state(config, state, where=str(path), dtype=dtype)
     model.eval()
     model.source = str(source)
     return model, tokenizer
@@ -151,7 +144,7 @@ def load_state_dict_from_folder(path: str | Path, dequantize: bool = True) -> di
 def _check_sizes(config: ModelConfig, state: dict[str, torch.Tensor], where: str, config_file: Path) -> None:
     """Before the model is allocated: the config's layer count, vocabulary and width
     must be the checkpoint's (a corrupt config.json could otherwise ask for 10**9
-    layers or a terabyte embedding). `load_into` checks every name and shape after."""
+    layers or a terabyte embedding). `model_from_state` checks every name and shape after."""
     layers = {int(m.group(1)) for k in state if (m := re.match(r"model\.layers\.(\d+)\.", k))}
     if config.num_layers > len(layers):
         raise ValueError(
@@ -184,12 +177,76 @@ def check_finite(t: torch.Tensor, name: str, file: str | Path) -> None:
         )
 
 
-def load_into(model: Transformer, state: dict[str, torch.Tensor], where: str = "checkpoint") -> None:
-    """Copy `state` into `model` strictly: names and shapes must match exactly
-    (a tied lm_head may be absent or present). Tensors are cast to the model's dtype."""
-    expected = model.state_dict()
+def model_from_state(
+    config: ModelConfig, state: dict[str, torch.Tensor], where: str = "checkpoint", dtype: torch.dtype = torch.float32
+) -> Transformer:
+    """`Transformer(config)` whose parameters are `state`'s tensors, cast to `dtype`
+    (names and shapes must match exactly; a tied lm_head may be absent or present).
+
+    The model is built on the meta device and each tensor is copied into its
+    parameter, leaving `state` (emptied here) as it goes: no randomly initialized
+    model is allocated and filled, and a checkpoint's tensor is dropped once its
+    parameter exists, so the peak is the model's own bytes plus one tensor. Buffers (RoPE frequencies,
+    the attention's FP8 scales) are made afresh on the CPU, as `Transformer.__init__`
+    makes them. Only parameters are cast: the buffers stay float32."""
+    model = meta_model(config)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    checked = _matched(expected, state, where, config.tie_word_embeddings)
+    state.clear()  # `checked` holds the tensors now: each is freed once cast
+    tied = "lm_head.weight" if config.tie_word_embeddings else None
+    cast: dict[str, torch.Tensor] = {}
+    for name in expected:
+        if name != tied:  # a tied head is the embedding's tensor, cast once
+            cast[name] = _own_float32(checked.pop(name)).to(dtype)  # as a float32 model cast to dtype
+    if tied:
+        checked.pop(tied)
+        cast[tied] = cast["model.embed_tokens.weight"]
+    model.load_state_dict(cast, strict=True, assign=True)
+    if tied:  # assign wraps each name's tensor in a Parameter of its own: one Parameter again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.init_buffers()
+    return model
+
+
+def meta_model(config: ModelConfig) -> Transformer:
+    """`Transformer(config)` on the meta device (no memory), its parameter initializers
+    not run: the structure, to be given tensors (`model_from_state`) or sharded
+    (`fp8rl.distributed.ShardedMaster`). Its non-persistent buffers are meta tensors
+    (the RoPE frequencies excepted): `Transformer.init_buffers` makes them."""
+    initialize_vector_math()  # on the CPU: under the meta device it would initialize nothing
+    with torch.device("meta"), _NoInitializers():
+        return Transformer(config)
+
+
+class _NoInitializers(TorchFunctionMode):
+    """Within it, the modules' parameter initializers (`torch.nn.init`'s, as nn.Linear
+    and nn.Embedding call them) do nothing: for a model built on the meta device, to be
+    given a checkpoint's tensors. (`normal_` on a meta tensor would first import sympy and
+    torch._dynamo, about 1 s, to fill nothing.)"""
+
+    SKIPPED = (torch.nn.init.normal_, torch.nn.init.uniform_, torch.nn.init.kaiming_uniform_)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.SKIPPED:
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
+def _own_float32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous FP32 tensor in memory torch allocated (a tensor read from a
+    file may sit in storage torch cannot resize, which `FP8Linear.release_weight` does)."""
+    return torch.empty(t.shape, dtype=torch.float32).copy_(t)
+
+
+def _matched(
+    expected: dict[str, torch.Size], state: dict[str, torch.Tensor], where: str, tied: bool
+) -> dict[str, torch.Tensor]:
+    """`state` checked against a model's parameter names and shapes (ValueError naming
+    the first offending tensor): the tensors by the model's names, a tied head as the
+    embedding's tensor, old HF RoPE buffers dropped."""
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}  # old HF buffers
-    if model.config.tie_word_embeddings:
+    if tied:
         # The head *is* the embedding; a checkpoint may store it twice or once.
         state.pop("lm_head.weight", None)
         if "model.embed_tokens.weight" in state:
@@ -202,14 +259,13 @@ def load_into(model: Transformer, state: dict[str, torch.Tensor], where: str = "
         raise ValueError(f"{where}: unexpected tensor {unexpected[0]!r} (not part of this model)" + _more(unexpected))
     for name, want in expected.items():
         got = state[name]
-        if tuple(got.shape) != tuple(want.shape):
+        if tuple(got.shape) != tuple(want):
             raise ValueError(
-                f"{where}: tensor {name!r} has shape {list(got.shape)}, expected {list(want.shape)}"
+                f"{where}: tensor {name!r} has shape {list(got.shape)}, expected {list(want)}"
             )
         if not got.is_floating_point():
             raise ValueError(f"{where}: tensor {name!r} has dtype {got.dtype}, expected a floating-point tensor")
-    with torch.no_grad():
-        model.load_state_dict(state, strict=True)
+    return state
 
 
 def cache_dir() -> Path:

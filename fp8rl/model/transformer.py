@@ -196,9 +196,12 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2], with llama3 long-context scaling if configured."""
+    """Inverse frequencies [head_dim/2], with llama3 long-context scaling if configured.
+    Computed on the CPU whatever the default device (a model built on the meta device
+    would otherwise run this arithmetic through torch's Python decompositions: 1 s of
+    imports the first time)."""
     d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d))
     rs = config.rope_scaling
     if rs is None or rs.get("rope_type") != "llama3":
         return inv_freq
@@ -383,10 +386,13 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         # Storage of K/V, Q and P and the backend of the products (fp8rl.precision.apply_flow sets it).
         self.attention_plan: AttentionPlan = FULL_PRECISION_ATTENTION
-        # Static FP8 scales, recalibrated each step (fp8rl.rollout.calibrate); not checkpoint state.
-        self.register_buffer("q_scale", torch.ones(c.num_heads), persistent=False)
-        self.register_buffer("k_scale", torch.ones(c.num_kv_heads), persistent=False)
-        self.register_buffer("v_scale", torch.ones(c.num_kv_heads), persistent=False)
+        self.init_buffers()
+
+    def init_buffers(self) -> None:
+        """The static FP8 scales at 1, recalibrated each step (fp8rl.rollout.calibrate);
+        not checkpoint state."""
+        for name, n in (("q_scale", self.n_heads), ("k_scale", self.n_kv_heads), ("v_scale", self.n_kv_heads)):
+            self.register_buffer(name, torch.ones(n), persistent=False)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
@@ -613,11 +619,20 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.init_buffers()
         # lm_head numerics (fp8rl.precision.apply_flow sets them) and the converted head weight.
         self.head_plan: HeadPlan = FULL_PRECISION_HEAD
         self._head_cache: tuple[tuple, dict] | None = None
         self.flow_plan: FlowPlan | None = None  # the resolved flow, once apply_flow ran
+
+    def init_buffers(self) -> None:
+        """The non-persistent buffers as a new model has them (the RoPE inverse
+        frequencies, every attention's FP8 scales at 1), on the current default device:
+        what a model built on the meta device (`fp8rl.model.load.model_from_state`) lacks."""
+        self.register_buffer("inv_freq", rope_inv_freq(self.config), persistent=False)
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.init_buffers()
 
     @property
     def device(self) -> torch.device:

@@ -465,3 +465,22 @@ def test_smollm2_builtin(tmp_path, monkeypatch, hf_reference_logits):
           f"max|logit diff| vs transformers {diff:.2e}, greedy answer {answer!r}")
     assert diff < 1e-4
     assert "5" in answer
+
+
+def test_one_cache_folder_for_the_kernels_and_the_converted_models(monkeypatch, tmp_path):
+    """`$FP8RL_CACHE_DIR` moves both (the built-in models' cache used to read only
+    `$FP8RL_CACHE`, still honoured, and ignore `$XDG_CACHE_HOME`)."""
+    import sys
+
+    from fp8rl.fp8 import kernels
+
+    loader = sys.modules["fp8rl.model.load"]
+    for var in ("FP8RL_CACHE_DIR", "FP8RL_CACHE", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    assert loader.cache_dir() == kernels.cache_dir() == Path.home() / ".cache" / "fp8rl"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert loader.cache_dir() == tmp_path / "xdg" / "fp8rl"
+    monkeypatch.setenv("FP8RL_CACHE", str(tmp_path / "old"))
+    assert loader.cache_dir() == tmp_path / "old"
+    monkeypatch.setenv("FP8RL_CACHE_DIR", str(tmp_path / "new"))
+    assert loader.cache_dir() == kernels.cache_dir() == tmp_path / "new"

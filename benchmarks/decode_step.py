@@ -13,6 +13,8 @@ the default run's half batch of ~68-token sequences).
     python benchmarks/decode_step.py --model smollm2-135m-instruct --flow bf16 --rows 16,4 --forward 16x80
     python benchmarks/decode_step.py --model tiny-chain --rows 64 --cache-len 400 --forward 64x400   # long answers
     python benchmarks/decode_step.py --model smollm2-135m-instruct --rows 16 --ops 20   # where a step's time goes
+    python benchmarks/decode_step.py --model smollm2-135m-instruct --flow jet-kv --rows 64 --prompt-len 85 \
+        --cache-len 224 --prefill 64                                    # and the prefill of 64 prompts
 
 `--ops N` also prints, per row count, the N ops of the profiled step with the most self
 time, per input shapes (profile_step.py's table).
@@ -66,6 +68,25 @@ def time_decode(
     return out | ({"op_table": op_table([prof], ops, shapes=True)} if ops > 0 else {})
 
 
+def time_prefill(model, rows: int, prompt_len: int, cache_len: int, repeats: int) -> dict:
+    """Median seconds of the rollout's prefill of ``rows`` distinct random prompts of
+    ``prompt_len`` tokens into a fresh KV cache of ``cache_len`` slots (as `generate`
+    runs it: inference mode, attending over `key_slots`), after one untimed prefill."""
+    g = torch.Generator().manual_seed(prompt_len)
+    prompt = torch.randint(2, model.config.vocab_size, (rows, prompt_len), generator=g)
+    pad_left = torch.zeros(rows, dtype=torch.long)
+    keys = model.key_slots(prompt_len, cache_len, queries=prompt_len)
+    times = []
+    with torch.inference_mode(), phase(model, "rollout"):
+        for i in range(repeats + 1):
+            cache = KVCache.for_model(model, rows, cache_len)
+            start = time.perf_counter()
+            model(prompt, make_context(pad_left, 0, prompt_len, keys, cache), n_last=1)
+            if i:
+                times.append(time.perf_counter() - start)
+    return {"rows": rows, "prompt_len": prompt_len, "cache_len": cache_len, "ms": sorted(times)[len(times) // 2] * 1e3}
+
+
 def time_forward(model, rows: int, tokens: int, repeats: int) -> dict:
     """Median seconds of one training-phase forward of ``rows`` x ``tokens`` without a graph."""
     g = torch.Generator().manual_seed(tokens)
@@ -97,6 +118,10 @@ def main() -> int:
     ap.add_argument("--ops", type=int, default=0, metavar="N",
                     help="print the N ops of each profiled step with the most self time, per input shapes")
     ap.add_argument("--forward", default="64x68", metavar="ROWSxTOKENS", help="the training-phase forward timed too")
+    ap.add_argument("--prefill", type=int, default=0, metavar="ROWS",
+                    help="also time the rollout's prefill of ROWS distinct prompts of --prompt-len tokens "
+                         "(the median of --prefill-repeats)")
+    ap.add_argument("--prefill-repeats", type=int, default=3)
     args = ap.parse_args()
     keep_freed_memory()  # as the fp8rl CLI runs (fp8rl/allocator.py); for every engine in this process
     model, _ = load(args.model)
@@ -107,8 +132,10 @@ def main() -> int:
                for r in args.rows.split(",") for mode in args.modes.split(",")]
     f_rows, f_tokens = (int(n) for n in args.forward.lower().split("x"))
     forward = time_forward(model, f_rows, f_tokens, 5)
+    prefill = time_prefill(model, args.prefill, args.prompt_len, cache_len, args.prefill_repeats) if args.prefill else None
     print(json.dumps({"model": args.model, "flow": args.flow, "backend": backend.name, "cache_len": cache_len,
-                      "threads": torch.get_num_threads(), "results": results, "forward": forward}, indent=2))
+                      "threads": torch.get_num_threads(), "results": results, "forward": forward,
+                      "prefill": prefill}, indent=2))
     print(f"{args.model}, flow {args.flow}, backend {backend.name}, {torch.get_num_threads()} threads, "
           f"{cache_len} key slots", file=sys.stderr)
     print(f"{'rows':>6}{'mode':>11}{'ms/step':>10}{'torch calls':>13}", file=sys.stderr)
@@ -117,6 +144,9 @@ def main() -> int:
     for r in (r for r in results if "op_table" in r):
         print(f"\none decode step over {r['rows']} rows ({r['mode']}):\n{r['op_table']}", file=sys.stderr)
     print(f"training-phase forward, {f_rows} x {f_tokens} tokens, no graph: {forward['ms']:.1f} ms", file=sys.stderr)
+    if prefill:
+        print(f"prefill, {prefill['rows']} x {prefill['prompt_len']} tokens into {cache_len} slots: "
+              f"{prefill['ms']:.1f} ms", file=sys.stderr)
     return 0
 
 

@@ -370,8 +370,8 @@ static inline __attribute__((always_inline)) void rows_attention(
    training forward) are widened once per item into FP32 scratch, E4M3 values times their
    head's scale: the FP32 numbers the direct path forms at every use, so the same numbers reach
    the same arithmetic (KV_F32 on the scratch) and the bits do not change; only the decoding is
-   not repeated for every group of ROWS rows (E4M3 prefill attention 1.6x faster, BF16 1.15x,
-   SmolLM2 at 64 x 85 tokens). A decode step (one group) reads its cache directly. */
+   not repeated for every group of ROWS rows (docs/design.md section 3 has the prefill's
+   times). A decode step (one group) reads its cache directly. */
 #define WIDEN_KV(kind, nrows) ((kind) != KV_F32 && (nrows) > ROWS)
 
 /* Floats of work one thread needs (kernels.py's `attention` allocates threads times this). */

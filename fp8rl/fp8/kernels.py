@@ -288,11 +288,18 @@ def attention(
             mask.data_ptr(), mask.stride(0), mask.stride(1))
     threads = _threads()
     # The kernel's scratch per thread: 4 rows of scores, and where several groups of query rows
-    # read E4M3 keys and values, the item's keys and values widened once to FP32.
-    work = torch.empty(threads * lib.fp8rl_attention_work(kind, (H // Hkv) * T, D, chunks))
+    # read BF16 or E4M3 keys and values, the item's keys and values widened once to FP32.
+    work = torch.empty(threads * _attention_work(kind, (H // Hkv) * T, D, chunks))
     lib.fp8rl_attention(*args, 0, B, H, Hkv, T, D, length, scale, p_scale, out.data_ptr(), work.data_ptr(),
                         threads)
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _attention_work(kind: int, rows: int, head_dim: int, chunks: int) -> int:
+    """``fp8rl_attention_work``: floats of scratch one thread of ``attention`` needs
+    (asked of the C code once per shape, not on every decode step's call)."""
+    return library().fp8rl_attention_work(kind, rows, head_dim, chunks)
 
 
 # How `rope_store` stores the query heads (transformer.store_heads's precisions).

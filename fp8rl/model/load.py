@@ -36,9 +36,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch.overrides import TorchFunctionMode
 
+from ..fp8.kernels import cache_dir
 from .config import ModelConfig, read_json_object
 from .tokenizer import TOKENIZER_FILE, Tokenizer
-from ..fp8.kernels import cache_dir
 from .transformer import Transformer
 from .vector_math import initialize_vector_math
 
@@ -181,13 +181,14 @@ def check_finite(t: torch.Tensor, name: str, file: str | Path) -> None:
 def model_from_state(
     config: ModelConfig, state: dict[str, torch.Tensor], where: str = "checkpoint", dtype: torch.dtype = torch.float32
 ) -> Transformer:
-    """`Transformer(config)` whose parameters are `state`'s tensors, cast to `dtype`
+    """`Transformer(config)` whose parameters hold `state`'s tensors, cast to `dtype`
     (names and shapes must match exactly; a tied lm_head may be absent or present).
 
     The model is built on the meta device and each tensor is copied into its
     parameter, leaving `state` (emptied here) as it goes: no randomly initialized
     model is allocated and filled, and a checkpoint's tensor is dropped once its
-    parameter exists, so the peak is the model's own bytes plus one tensor. Buffers (RoPE frequencies,
+    parameter exists (what it holds beyond the model is one tensor, plus the pages of
+    a safetensors file, which are the file's memory map). Buffers (RoPE frequencies,
     the attention's FP8 scales) are made afresh on the CPU, as `Transformer.__init__`
     makes them. Only parameters are cast: the buffers stay float32."""
     model = meta_model(config)

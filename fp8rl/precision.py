@@ -260,7 +260,8 @@ def apply_flow(model: nn.Module, flow: PrecisionFlow | str, backend: Backend | s
     ``flow.high_precision`` ones) become FP8Linear; every submodule with an
     ``attention_plan`` attribute (the attention layers) gets the flow's
     AttentionPlan, every one with a ``head_plan`` (the model) its HeadPlan,
-    every one with a ``router_backend`` (MoE routers, kept in FP32) the backend.
+    every one with a ``router_backend`` (MoE routers, kept in FP32) the backend,
+    every one with ``fused_pointwise`` (RMSNorm, MLP) the backend's choice of kernels.
     The weights are quantized here, once.
     """
     if getattr(model, "flow_plan", None) is not None:
@@ -273,6 +274,8 @@ def apply_flow(model: nn.Module, flow: PrecisionFlow | str, backend: Backend | s
             m.head_plan = plan.head
         if hasattr(m, "router_backend"):  # MoE routers stay FP32, on the backend's invariant product
             m.router_backend = plan.backend
+        if hasattr(m, "fused_pointwise"):  # RMSNorm, MLP: kernels.c's loops or torch's ops
+            m.fused_pointwise = plan.backend.fused_pointwise
     refresh_weights(model)
     return plan
 

@@ -627,6 +627,10 @@ class Backend:
     # and a decode reads a BF16 KV cache directly. Elsewhere (and for `reference`, the float64
     # definition) the products `attention_scores` / `attention_values` around torch's softmax.
     fused_attention: bool = False
+    # RMSNorm and the MLP's silu(gate) * up as kernels.c's loops (their own fixed arithmetic, which
+    # every forward under this backend runs: a decode step's rows and the training forward's get
+    # the same bits) where the compiled kernels load; elsewhere (and for `reference`) torch's ops.
+    fused_pointwise: bool = False
 
     def fp8_matmul(self, a: QTensor, b: QTensor, out_dtype: torch.dtype, invariant: bool = True) -> torch.Tensor:
         """``dequant(a) @ dequant(b).T`` -> ``[M, N]`` in ``out_dtype``; ``b`` is the
@@ -800,6 +804,7 @@ class CPUBackend(Backend):
     name = "cpu"
     batch_invariant = True
     fused_attention = True
+    fused_pointwise = True
 
     def fp8_matmul(self, a: QTensor, b: QTensor, out_dtype: torch.dtype, invariant: bool = True) -> torch.Tensor:
         bk = a.block[1]
@@ -867,6 +872,7 @@ class AMXBackend(Backend):
     name = "amx"
     batch_invariant = True
     fused_attention = True
+    fused_pointwise = True
 
     def fp8_matmul(self, a: QTensor, b: QTensor, out_dtype: torch.dtype, invariant: bool = True) -> torch.Tensor:
         return _native_rows(dequantize(a), self._bf16_form(b), invariant, b.cache).to(out_dtype)

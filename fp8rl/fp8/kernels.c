@@ -703,3 +703,81 @@ void fp8rl_argmax_sum(const float *a, int64_t la, const float *b, int64_t lb, in
 #endif
     for (int64_t r = 0; r < R; r++) out[r] = argmax_sum_row(a + r * la, b + r * lb, V);
 }
+
+/* transformer.py's RMSNorm of FP32 rows, in this loop's own fixed order, which every forward
+   under a backend with `fused_pointwise` runs (a decode step and the training forward alike,
+   so a row's bits do not depend on the batch or the phase): for each row r < rows of d elements,
+   ss = the sum of x[j] * x[j] (each square rounded, then added: no FMA) in 16 lane sums over
+   j in ascending order (lane j % 16; a partial last chunk adds zeros), the lanes then summed by
+   a fixed halving tree; r = 1 / sqrt(ss / d + eps) (sqrt and division each rounded once, as
+   torch.rsqrt's); out[j] = w[j] * (x[j] * r). Row strides ldx, ldo in elements. */
+void fp8rl_rmsnorm_rows(const float *x, int64_t ldx, const float *w, float eps, float *out, int64_t ldo,
+                        int64_t rows, int64_t d, int threads) {
+    (void)threads;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows * d >= 32768)
+#endif
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * ldx;
+        float *o = out + r * ldo;
+        vf acc = splat(0.0f);
+        int64_t j = 0;
+        for (; j + LANES <= d; j += LANES) {
+            const vf v = loadu(xr + j);
+            acc = acc + v * v;
+        }
+        if (j < d) {
+            float tail[LANES] = {0};
+            memcpy(tail, xr + j, (size_t)(d - j) * sizeof(float));
+            const vf v = loadu(tail);
+            acc = acc + v * v;
+        }
+        float lanes[LANES];
+        storeu(lanes, acc);
+        for (int width = LANES / 2; width > 0; width /= 2)
+            for (int l = 0; l < width; l++) lanes[l] = lanes[l] + lanes[l + width];
+        const float inv = 1.0f / sqrtf(lanes[0] / (float)d + eps);
+        for (int64_t k = 0; k < d; k++) o[k] = w[k] * (xr[k] * inv);
+    }
+}
+
+/* The SwiGLU gate of FP32 rows, silu(g) * u, in this loop's own arithmetic (every forward
+   under a backend with `fused_pointwise` runs it): e = exp(-|g|) (exp_nonpos_v, about 1 ulp),
+   sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) below (no overflow either side),
+   out = (g * sigmoid(g)) * u. rows x n elements; row strides ldg, ldu, ldo. */
+void fp8rl_silu_mul_rows(const float *g, int64_t ldg, const float *u, int64_t ldu, float *out, int64_t ldo,
+                         int64_t rows, int64_t n, int threads) {
+    (void)threads;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows * n >= 32768)
+#endif
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gr = g + r * ldg, *ur = u + r * ldu;
+        float *o = out + r * ldo;
+        for (int64_t j = 0; j < n; j += LANES) {
+            const int64_t m = n - j < LANES ? n - j : LANES;
+            vf gv, uv;
+            if (m == LANES) {
+                gv = loadu(gr + j);
+                uv = loadu(ur + j);
+            } else {
+                float gt[LANES] = {0}, ut[LANES] = {0};
+                memcpy(gt, gr + j, (size_t)m * sizeof(float));
+                memcpy(ut, ur + j, (size_t)m * sizeof(float));
+                gv = loadu(gt);
+                uv = loadu(ut);
+            }
+            const vi neg = gv < 0.0f;
+            const vf e = exp_nonpos_v(select_vf(neg, gv, -gv));
+            const vf sig = select_vf(neg, e / (1.0f + e), 1.0f / (1.0f + e));
+            const vf y = (gv * sig) * uv;
+            if (m == LANES) {
+                storeu(o + j, y);
+            } else {
+                float yt[LANES];
+                storeu(yt, y);
+                memcpy(o + j, yt, (size_t)m * sizeof(float));
+            }
+        }
+    }
+}

@@ -146,12 +146,50 @@ def library() -> ctypes.CDLL | None:
     lib.fp8rl_argmax_sum.restype = None
     lib.fp8rl_argmax_sum.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, ctypes.c_int]
     lib.fp8rl_uniform_rows.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int]
+    lib.fp8rl_rmsnorm_rows.restype = None
+    lib.fp8rl_rmsnorm_rows.argtypes = [ptr, i64, ptr, ctypes.c_float, ptr, i64, i64, i64, ctypes.c_int]
+    lib.fp8rl_silu_mul_rows.restype = None
+    lib.fp8rl_silu_mul_rows.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ctypes.c_int]
     return lib
 
 
 def _threads() -> int:
     """The thread count a kernel's OpenMP loop asks for: torch's own (OPENMP_FLAGS)."""
     return max(1, torch.get_num_threads())
+
+
+def _row_view(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., N]`` as FP32 rows ``[R, N]`` with unit column stride and one row stride:
+    a view where the leading axes merge (a split of a stacked GEMM's output), else a copy."""
+    x = x.float()
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``fp8rl_rmsnorm_rows`` (kernels.c, its own fixed order of the sum of squares) of
+    ``x [..., D]`` with the FP32 weight ``[D]`` -> FP32 ``[..., D]``. Call only where
+    ``library()`` loads and ``x`` is on the CPU."""
+    rows = _row_view(x)
+    w = weight.detach().float().contiguous()
+    out = torch.empty(x.shape, dtype=torch.float32)
+    library().fp8rl_rmsnorm_rows(rows.data_ptr(), rows.stride(0), w.data_ptr(), eps, out.data_ptr(), rows.shape[1],
+                                 rows.shape[0], rows.shape[1], _threads())
+    return out
+
+
+def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``fp8rl_silu_mul_rows`` (kernels.c): ``silu(g) * u`` for ``g, u [..., N]`` (same
+    shape) -> FP32 ``[..., N]``, in the kernel's own exp. Call only where ``library()``
+    loads and the tensors are on the CPU."""
+    if g.shape != u.shape:
+        raise ValueError(f"silu_mul: gate and up must have one shape, got {tuple(g.shape)} and {tuple(u.shape)}")
+    gr, ur = _row_view(g), _row_view(u)
+    out = torch.empty(g.shape, dtype=torch.float32)
+    n = gr.shape[1]
+    library().fp8rl_silu_mul_rows(gr.data_ptr(), gr.stride(0), ur.data_ptr(), ur.stride(0), out.data_ptr(), n,
+                                  gr.shape[0], n, _threads())
+    return out
 
 
 def qdq_rows(x: torch.Tensor, bk: int, ue8m0: bool, amax_floor: float) -> torch.Tensor | None:

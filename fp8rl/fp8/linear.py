@@ -27,7 +27,7 @@ FP8 x): its blocks run along the token axis, which the fprop tiles do not.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -359,3 +359,50 @@ def linears_of_one_input(x: torch.Tensor, layers: Sequence[nn.Module]) -> list[t
         for j, i in enumerate(members):
             shared[i] = (xq, None if products is None else products[j])
     return [layer(x, *shared[i]) if i in shared else layer(x) for i, layer in enumerate(layers)]
+
+
+def rollout_linears(layers: Sequence[nn.Module]) -> Callable[[torch.Tensor], list[torch.Tensor]] | None:
+    """``linears_of_one_input`` without a graph, resolved once for the layers' current weight
+    forms: a function ``x [..., K]`` -> ``[layer(x) for layer in layers]`` as ``[T, N_i]``
+    (T: x's rows), the same bits (the same backend calls on the same objects: the input's
+    quantization once, the stacked GEMM where the backend has one, each bias, the cast to
+    x's dtype), without the per-call dispatch (group keys, freshness checks, module calls),
+    which costs a decode step of few rows more than its arithmetic. Built for one rollout
+    (the rollout phase's plans, weights quantized here if stale) and valid until the weights
+    are requantized. None where the layers are not FP8Linears of one group key, or one has a
+    forward hook (which only a module call runs)."""
+    if not layers or not all(isinstance(layer, FP8Linear) for layer in layers):
+        return None
+    if any(layer._forward_pre_hooks or layer._forward_hooks for layer in layers):
+        return None
+    if len({layer.group_key() for layer in layers}) != 1:
+        return None
+    for layer in layers:
+        layer.ensure_fresh()
+    first = layers[0]
+    plan, backend, name = first.plan, first.plan.backend, first.name
+    biases = [layer.bias for layer in layers]
+    if plan.fprop == "fp8":
+        qweights = [layer.qweight for layer in layers]
+
+        def products(x2: torch.Tensor) -> list[torch.Tensor]:
+            xq = _quantized_input(x2, plan, name)
+            got = backend.fp8_linear_group(xq, qweights) if len(layers) > 1 else None
+            return got if got is not None else [backend.fp8_linear(xq, w) for w in qweights]
+    else:
+        weights = [layer.weight_bf16 for layer in layers]
+        caches = [layer._bf16_caches[0] for layer in layers]
+
+        def products(x2: torch.Tensor) -> list[torch.Tensor]:
+            got = backend.bf16_linear_group(x2, weights, caches[0]) if len(layers) > 1 else None
+            return got if got is not None else [backend.bf16_matmul(x2, w, c) for w, c in zip(weights, caches)]
+
+    def run(x: torch.Tensor) -> list[torch.Tensor]:
+        out = []
+        for y, bias in zip(products(x.reshape(-1, x.shape[-1])), biases):  # as _fprop finishes each
+            if bias is not None:
+                y = y + bias.float()
+            out.append(y if y.dtype == x.dtype else y.to(x.dtype))
+        return out
+
+    return run

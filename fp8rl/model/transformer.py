@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -43,7 +44,7 @@ import torch.nn.functional as F
 from fp8rl.fp8 import kernels
 from fp8rl.fp8.backends import Backend
 from fp8rl.fp8.formats import E4M3_MAX
-from fp8rl.fp8.linear import linears_of_one_input
+from fp8rl.fp8.linear import linears_of_one_input, rollout_linears
 from fp8rl.fp8.quant import DerivedCache, dequantize_static
 from fp8rl.precision import FULL_PRECISION_ATTENTION, FULL_PRECISION_HEAD, AttentionPlan, FlowPlan, HeadPlan
 from .vector_math import initialize_vector_math
@@ -183,13 +184,47 @@ def make_context(
                             routing=routing)
 
 
+def fused_pointwise_on(module: nn.Module, x: torch.Tensor) -> bool:
+    """Whether `module` (an RMSNorm or an MLP) runs its pointwise arithmetic as kernels.c's
+    loops: its flow's backend asks for them (`Backend.fused_pointwise`, set by
+    fp8rl.precision.apply_flow) and the compiled kernels load for this CPU tensor."""
+    return module.fused_pointwise and x.is_cpu and kernels.library() is not None
+
+
+class _FusedRMSNorm(torch.autograd.Function):
+    """`kernels.rmsnorm` with a graph: the kernel's forward bits; the gradient of the same
+    function in torch ops, from x (nothing compares gradients bit for bit)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return kernels.rmsnorm(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        x32, grad = x.float(), grad.float()
+        inv = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + ctx.eps)  # [..., 1]
+        gw = grad * weight
+        # d/dx of w * x * inv(x): inv * (gw - x * inv^2 * mean(gw * x))
+        dx = inv * (gw - x32 * (inv * inv) * (gw * x32).mean(-1, keepdim=True)) if ctx.needs_input_grad[0] else None
+        dw = (grad * (x32 * inv)).reshape(-1, x.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
+        return (None if dx is None else dx.to(x.dtype)), dw, None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.fused_pointwise = False  # kernels.c's loop instead of torch ops (apply_flow sets it)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused_pointwise_on(self, x):
+            if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+                return _FusedRMSNorm.apply(x, self.weight, self.eps)
+            return kernels.rmsnorm(x, self.weight, self.eps)
         x32 = x if x.dtype == torch.float32 else x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32
@@ -472,6 +507,25 @@ MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
 MIXTRAL_EXPERT_NAMES = ("w1", "w3", "w2")
 
 
+class _FusedSiluMul(torch.autograd.Function):
+    """`kernels.silu_mul` with a graph: the kernel's forward bits; the gradient of
+    ``silu(g) * u`` in torch ops, from g and u."""
+
+    @staticmethod
+    def forward(ctx: Any, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(g, u)
+        return kernels.silu_mul(g, u)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # type: ignore[override]
+        g, u = ctx.saved_tensors
+        g32, grad = g.float(), grad.float()
+        sig = torch.sigmoid(g32)
+        dg = grad * u * (sig * (1 + g32 * (1 - sig))) if ctx.needs_input_grad[0] else None
+        du = grad * (g32 * sig) if ctx.needs_input_grad[1] else None
+        return (None if dg is None else dg.to(g.dtype)), (None if du is None else du.to(u.dtype))
+
+
 class MLP(nn.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))``; `names` are the checkpoint's names
     of the three projections."""
@@ -483,11 +537,16 @@ class MLP(nn.Module):
         setattr(self, gate, nn.Linear(hidden_size, intermediate_size, bias=False))
         setattr(self, up, nn.Linear(hidden_size, intermediate_size, bias=False))
         setattr(self, down, nn.Linear(intermediate_size, hidden_size, bias=False))
+        self.fused_pointwise = False  # silu(g) * u as kernels.c's loop (apply_flow sets it)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up, down = (getattr(self, n) for n in self.names)
         g, u = linears_of_one_input(x, (gate, up))
-        return down(F.silu(g) * u)
+        if not fused_pointwise_on(self, g):
+            return down(F.silu(g) * u)
+        if torch.is_grad_enabled() and (g.requires_grad or u.requires_grad):
+            return down(_FusedSiluMul.apply(g, u))
+        return down(kernels.silu_mul(g, u))
 
 
 class Router(nn.Module):
@@ -600,6 +659,59 @@ class DecoderLayer(nn.Module):
         return x + getattr(self, self.moe_name)(h, routing)
 
 
+def _hooked(module: nn.Module) -> bool:
+    """Whether a forward hook would run on ``module`` or any module inside it (hooks run only
+    through module calls; a global one on every module)."""
+    from torch.nn.modules import module as nn_module
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
+
+
+class RolloutLayer:
+    """A dense decoder layer's forward in a rollout step, without the module dispatch:
+    `DecoderLayer.forward` (with `Attention.forward` and `MLP.forward`) step for step, the
+    same kernels and backend calls on the same objects in the same order, hence the same
+    bits, with the linears resolved once per rollout (`fp8rl.fp8.linear.rollout_linears`).
+    A decode step of few rows spends more time in that dispatch (module calls, group keys,
+    freshness checks) than in its small tensors' arithmetic. A call with a graph, without
+    the fused kernels' KV cache or with scale calibration runs the layer's module forward."""
+
+    def __init__(self, layer: DecoderLayer, qkv: Callable, o: Callable, gate_up: Callable, down: Callable) -> None:
+        self.layer, self.qkv, self.o, self.gate_up, self.down = layer, qkv, o, gate_up, down
+
+    @classmethod
+    def of(cls, layer: DecoderLayer) -> "RolloutLayer | None":
+        """The layer's rollout form for its current weights, or None (a mixture-of-experts
+        layer, a hooked module, linears that do not resolve: `rollout_linears`)."""
+        if layer.moe_name is not None or _hooked(layer):
+            return None
+        attn, mlp = layer.self_attn, layer.mlp
+        gate, up, down = (getattr(mlp, n) for n in mlp.names)
+        linears = [rollout_linears(group) for group in
+                   ((attn.q_proj, attn.k_proj, attn.v_proj), (attn.o_proj,), (gate, up), (down,))]
+        return None if any(f is None for f in linears) else cls(layer, *linears)
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        layer = self.layer
+        if torch.is_grad_enabled() or not getattr(ctx.cache, "fused", False) or ctx.amax is not None:
+            return layer(x, cos, sin, ctx)
+        attn, mlp = layer.self_attn, layer.mlp
+        B, T, _ = x.shape
+        q, k, v = self.qkv(layer.input_layernorm.forward(x))  # [B * T, N] each
+        q = q.view(B, T, attn.n_heads, attn.head_dim)
+        k = k.view(B, T, attn.n_kv_heads, attn.head_dim)
+        v = v.view(B, T, attn.n_kv_heads, attn.head_dim)
+        if hasattr(attn, "q_norm"):
+            q, k = attn.q_norm.forward(q), attn.k_norm.forward(k)
+        out = attn._attend_fused_cache(q, k, v, cos, sin, ctx)  # [B, H, T, D]
+        (o,) = self.o(out.transpose(1, 2).reshape(B, T, attn.n_heads * attn.head_dim))
+        x = x + o.reshape(B, T, -1)
+        g, u = self.gate_up(layer.post_attention_layernorm.forward(x))
+        (y,) = self.down(kernels.silu_mul(g, u) if fused_pointwise_on(mlp, g) else F.silu(g) * u)
+        return x + y.reshape(B, T, -1)
+
+
 class _Body(nn.Module):
     """The `model.` prefix of HF checkpoints: embeddings, layers, final norm."""
 
@@ -703,9 +815,22 @@ class Transformer(nn.Module):
             out = _HeadGrad.apply(h, w, out, plan)
         return out
 
-    def hidden(self, input_ids: torch.Tensor, ctx: AttentionContext | None = None) -> torch.Tensor:
+    def rollout_layers(self) -> list[RolloutLayer] | None:
+        """The decoder layers' rollout forms (`RolloutLayer`) for the current weights, for
+        ``forward(..., layers=...)`` in the steps of one rollout: build them in the rollout
+        phase (fp8rl.precision.phase) and drop them when it ends. None (run the modules)
+        for a model without a flow or with a layer that has no such form."""
+        if self.flow_plan is None or _hooked(self):
+            return None
+        layers = [RolloutLayer.of(layer) for layer in self.model.layers]
+        return None if any(layer is None for layer in layers) else layers
+
+    def hidden(
+        self, input_ids: torch.Tensor, ctx: AttentionContext | None = None, layers: Sequence[Callable] | None = None,
+    ) -> torch.Tensor:
         """input_ids [B, T] -> the last decoder layer's output [B, T, hidden] (before
-        the final norm); `ctx` as for `forward`."""
+        the final norm); `ctx` as for `forward`; `layers`: what runs instead of the
+        decoder layers, each ``(x, cos, sin, ctx) -> x`` (`rollout_layers`)."""
         B, T = input_ids.shape
         if ctx is None:
             ctx = make_context(torch.zeros(B, dtype=torch.long, device=input_ids.device), 0, T, T)
@@ -713,7 +838,7 @@ class Transformer(nn.Module):
             raise ValueError(f"tokens [{ctx.start}, {ctx.start + T}) do not fit {ctx.cache_len} key slots")
         cos, sin = self.rope(ctx.positions)
         x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
+        for layer in self.model.layers if layers is None else layers:
             x = layer(x, cos, sin, ctx)
         return x
 
@@ -727,12 +852,14 @@ class Transformer(nn.Module):
         ctx: AttentionContext | None = None,
         n_last: int | None = None,
         head_span: tuple[int, int] | None = None,
+        layers: Sequence[Callable] | None = None,
     ) -> torch.Tensor:
         """input_ids [B, T] -> logits [B, T, vocab] (float32); with `n_last`, only
         the logits of the last n_last positions [B, n_last, vocab]; with
-        `head_span = (start, stop)`, only those of positions start..stop-1."""
+        `head_span = (start, stop)`, only those of positions start..stop-1;
+        `layers` as for `hidden` (a rollout's `rollout_layers`)."""
         T = input_ids.shape[1]
-        x = self.hidden(input_ids, ctx)
+        x = self.hidden(input_ids, ctx, layers)
         if n_last is not None:
             x = x[:, T - n_last :]
         elif head_span is not None:

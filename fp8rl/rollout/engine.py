@@ -430,11 +430,14 @@ def generate(
     # Inference mode: no version counters or autograd dispatch on the decode's many small ops
     # (`benchmarks/decode_step.py --modes no_grad,inference` times both). The outputs (`tokens`,
     # `logprobs`, `mask`) were allocated above, outside it: normal tensors a training forward may use.
+    with phase(model, "rollout"):
+        # The decoder layers without their module dispatch, for this rollout's weights (the same bits).
+        layers = model.rollout_layers()
     with phase(model, "rollout"), torch.inference_mode():
         # the prompts' keys sit in slots [0, P): the prefill attends over the first `key_slots`
         keys = model.key_slots(P, L, queries=P)
         logits = model(tokens[first, :P], make_context(pad_left[first], 0, P, keys, cache, routing=routing),
-                       n_last=1)[:, -1]
+                       n_last=1, layers=layers)[:, -1]
         if shared is not None:
             of_row = shared[1]
             logits = logits[of_row]
@@ -473,7 +476,8 @@ def generate(
                 cache.keep_rows(running)
             # the step's keys sit in slots [0, col]: it attends over the first `key_slots` of the L
             keys = model.key_slots(col + 1, L)
-            logits = model(tok[:, None], make_context(pad_left[rows], col, 1, keys, cache, routing=routing))[:, -1]
+            logits = model(tok[:, None], make_context(pad_left[rows], col, 1, keys, cache, routing=routing),
+                           layers=layers)[:, -1]
             if routing is not None and len(rows) < B:
                 _widen_routing(routing, rows, B)
 

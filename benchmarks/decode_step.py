@@ -41,34 +41,47 @@ from fp8rl.rollout.kv_cache import KVCache
 from profile_step import op_table
 
 
+def rollout_layers(model, module_forward: bool) -> list | None:
+    """What the engine's `generate` runs the steps with: the model's `rollout_layers`
+    (built in the rollout phase), or None (the module forward) with ``module_forward``."""
+    if module_forward:
+        return None
+    with phase(model, "rollout"):
+        return model.rollout_layers()
+
+
 def time_decode(
-    model, rows: int, prompt_len: int, cache_len: int, repeats: int, mode: str = "inference", ops: int = 0
+    model, rows: int, prompt_len: int, cache_len: int, repeats: int, mode: str = "inference", ops: int = 0,
+    module_forward: bool = False,
 ) -> dict:
     """Mean seconds of one decode forward over ``rows`` rows, and its torch call count;
     ``mode``: "inference" (``torch.inference_mode``, what the engine runs) or "no_grad";
-    ``ops`` > 0: also the op table (``op_table``, per input shapes) of the profiled step."""
+    ``ops`` > 0: also the op table (``op_table``, per input shapes) of the profiled step;
+    ``module_forward``: the decoder layers' module forward instead of the engine's
+    `rollout_layers` (the same bits)."""
     grad_off = torch.inference_mode if mode == "inference" else torch.no_grad
     cache = KVCache.for_model(model, rows, cache_len)
     pad_left = torch.zeros(rows, dtype=torch.long)
     g = torch.Generator().manual_seed(rows)
     prompt = torch.randint(2, model.config.vocab_size, (rows, prompt_len), generator=g)
     token = torch.randint(2, model.config.vocab_size, (rows, 1), generator=g)
+    layers = rollout_layers(model, module_forward)
     with grad_off(), phase(model, "rollout"):
-        model(prompt, make_context(pad_left, 0, prompt_len, cache_len, cache), n_last=1)
+        model(prompt, make_context(pad_left, 0, prompt_len, cache_len, cache), n_last=1, layers=layers)
         for i in range(3):  # warm-up: tile measurements, allocator
-            model(token, make_context(pad_left, prompt_len + i, 1, cache_len, cache))
+            model(token, make_context(pad_left, prompt_len + i, 1, cache_len, cache), layers=layers)
         start = time.perf_counter()
         for i in range(repeats):
-            model(token, make_context(pad_left, prompt_len + 3 + i, 1, cache_len, cache))
+            model(token, make_context(pad_left, prompt_len + 3 + i, 1, cache_len, cache), layers=layers)
         seconds = (time.perf_counter() - start) / repeats
         with profile(activities=[ProfilerActivity.CPU], record_shapes=ops > 0) as prof:
-            model(token, make_context(pad_left, prompt_len + 3 + repeats, 1, cache_len, cache))
+            model(token, make_context(pad_left, prompt_len + 3 + repeats, 1, cache_len, cache), layers=layers)
     calls = sum(e.count for e in prof.key_averages())
     out = {"rows": rows, "mode": mode, "ms_per_step": seconds * 1e3, "torch_calls": calls}
     return out | ({"op_table": op_table([prof], ops, shapes=True)} if ops > 0 else {})
 
 
-def time_prefill(model, rows: int, prompt_len: int, cache_len: int, repeats: int) -> dict:
+def time_prefill(model, rows: int, prompt_len: int, cache_len: int, repeats: int, module_forward: bool = False) -> dict:
     """Median seconds of the rollout's prefill of ``rows`` distinct random prompts of
     ``prompt_len`` tokens into a fresh KV cache of ``cache_len`` slots (as `generate`
     runs it: inference mode, attending over `key_slots`), after one untimed prefill."""
@@ -76,12 +89,13 @@ def time_prefill(model, rows: int, prompt_len: int, cache_len: int, repeats: int
     prompt = torch.randint(2, model.config.vocab_size, (rows, prompt_len), generator=g)
     pad_left = torch.zeros(rows, dtype=torch.long)
     keys = model.key_slots(prompt_len, cache_len, queries=prompt_len)
+    layers = rollout_layers(model, module_forward)
     times = []
     with torch.inference_mode(), phase(model, "rollout"):
         for i in range(repeats + 1):
             cache = KVCache.for_model(model, rows, cache_len)
             start = time.perf_counter()
-            model(prompt, make_context(pad_left, 0, prompt_len, keys, cache), n_last=1)
+            model(prompt, make_context(pad_left, 0, prompt_len, keys, cache), n_last=1, layers=layers)
             if i:
                 times.append(time.perf_counter() - start)
     return {"rows": rows, "prompt_len": prompt_len, "cache_len": cache_len, "ms": sorted(times)[len(times) // 2] * 1e3}
@@ -122,18 +136,23 @@ def main() -> int:
                     help="also time the rollout's prefill of ROWS distinct prompts of --prompt-len tokens "
                          "(the median of --prefill-repeats)")
     ap.add_argument("--prefill-repeats", type=int, default=3)
+    ap.add_argument("--module-forward", action="store_true",
+                    help="run the decoder layers' module forward instead of the rollout layers the engine runs "
+                         "(Transformer.rollout_layers: the same bits without the module dispatch)")
     args = ap.parse_args()
     keep_freed_memory()  # as the fp8rl CLI runs (fp8rl/allocator.py); for every engine in this process
     model, _ = load(args.model)
     backend = apply_flow(model, args.flow, args.backend).backend
     refresh_weights(model)
     cache_len = max(args.cache_len, (args.prompt_len + 3 + args.repeats + 1 + 15) // 16 * 16)
-    results = [time_decode(model, int(r), args.prompt_len, cache_len, args.repeats, mode, args.ops)
+    results = [time_decode(model, int(r), args.prompt_len, cache_len, args.repeats, mode, args.ops, args.module_forward)
                for r in args.rows.split(",") for mode in args.modes.split(",")]
     f_rows, f_tokens = (int(n) for n in args.forward.lower().split("x"))
     forward = time_forward(model, f_rows, f_tokens, 5)
-    prefill = time_prefill(model, args.prefill, args.prompt_len, cache_len, args.prefill_repeats) if args.prefill else None
+    prefill = (time_prefill(model, args.prefill, args.prompt_len, cache_len, args.prefill_repeats, args.module_forward)
+               if args.prefill else None)
     print(json.dumps({"model": args.model, "flow": args.flow, "backend": backend.name, "cache_len": cache_len,
+                      "layers": "module" if args.module_forward else "rollout_layers",
                       "threads": torch.get_num_threads(), "results": results, "forward": forward,
                       "prefill": prefill}, indent=2))
     print(f"{args.model}, flow {args.flow}, backend {backend.name}, {torch.get_num_threads()} threads, "

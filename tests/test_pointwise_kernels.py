@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(kernels.library() is None, reason="compiled kern
 EPS = 1e-5
 
 
-def rmsnorm_in_the_kernels_order(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def rmsnorm_in_the_kernels_order(x: torch.Tensor, w: torch.Tensor, eps: float, with_inv: bool = False):
     """The order kernels.c documents, one FP32 operation at a time: 16 lane sums of the
     rounded squares over each row's elements in ascending order (lane j % 16), a halving
     tree over the lanes, then 1 / sqrt(ss / d + eps) and w * (x * r)."""
@@ -34,7 +34,7 @@ def rmsnorm_in_the_kernels_order(x: torch.Tensor, w: torch.Tensor, eps: float) -
         width //= 2
     mean = lanes[:, :1] / torch.tensor(float(d), dtype=torch.float32)
     inv = torch.tensor(1.0, dtype=torch.float32) / torch.sqrt(mean + torch.tensor(eps, dtype=torch.float32))
-    return w * (x * inv)
+    return (w * (x * inv), inv) if with_inv else w * (x * inv)
 
 
 @pytest.mark.parametrize("d", [8, 20, 128, 576, 1000])
@@ -42,7 +42,10 @@ def test_rmsnorm_kernel_is_its_documented_order_bit_for_bit(d: int):
     g = torch.Generator().manual_seed(d)
     x = torch.randn(7, d, generator=g) * torch.logspace(-3, 3, 7)[:, None]
     w = torch.randn(d, generator=g)
-    assert torch.equal(kernels.rmsnorm(x, w, EPS), rmsnorm_in_the_kernels_order(x, w, EPS))
+    want, want_inv = rmsnorm_in_the_kernels_order(x, w, EPS, with_inv=True)
+    assert torch.equal(kernels.rmsnorm(x, w, EPS), want)
+    inv = torch.empty(7, 1)
+    assert torch.equal(kernels.rmsnorm(x, w, EPS, inv), want) and torch.equal(inv, want_inv)
 
 
 @pytest.mark.parametrize("d", [20, 576])

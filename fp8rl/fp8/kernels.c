@@ -710,9 +710,10 @@ void fp8rl_argmax_sum(const float *a, int64_t la, const float *b, int64_t lb, in
    ss = the sum of x[j] * x[j] (each square rounded, then added: no FMA) in 16 lane sums over
    j in ascending order (lane j % 16; a partial last chunk adds zeros), the lanes then summed by
    a fixed halving tree; r = 1 / sqrt(ss / d + eps) (sqrt and division each rounded once, as
-   torch.rsqrt's); out[j] = w[j] * (x[j] * r). Row strides ldx, ldo in elements. */
+   torch.rsqrt's); out[j] = w[j] * (x[j] * r); inv[r] = r where inv is given (the backward's).
+   Row strides ldx, ldo in elements. */
 void fp8rl_rmsnorm_rows(const float *x, int64_t ldx, const float *w, float eps, float *out, int64_t ldo,
-                        int64_t rows, int64_t d, int threads) {
+                        float *inv_out, int64_t rows, int64_t d, int threads) {
     (void)threads;
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows * d >= 32768)
@@ -737,6 +738,7 @@ void fp8rl_rmsnorm_rows(const float *x, int64_t ldx, const float *w, float eps, 
         for (int width = LANES / 2; width > 0; width /= 2)
             for (int l = 0; l < width; l++) lanes[l] = lanes[l] + lanes[l + width];
         const float inv = 1.0f / sqrtf(lanes[0] / (float)d + eps);
+        if (inv_out) inv_out[r] = inv;
         for (int64_t k = 0; k < d; k++) o[k] = w[k] * (xr[k] * inv);
     }
 }

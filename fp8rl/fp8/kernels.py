@@ -147,7 +147,7 @@ def library() -> ctypes.CDLL | None:
     lib.fp8rl_argmax_sum.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, ctypes.c_int]
     lib.fp8rl_uniform_rows.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int]
     lib.fp8rl_rmsnorm_rows.restype = None
-    lib.fp8rl_rmsnorm_rows.argtypes = [ptr, i64, ptr, ctypes.c_float, ptr, i64, i64, i64, ctypes.c_int]
+    lib.fp8rl_rmsnorm_rows.argtypes = [ptr, i64, ptr, ctypes.c_float, ptr, i64, ptr, i64, i64, ctypes.c_int]
     lib.fp8rl_silu_mul_rows.restype = None
     lib.fp8rl_silu_mul_rows.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ctypes.c_int]
     return lib
@@ -166,15 +166,18 @@ def _row_view(x: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rmsnorm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, inv: torch.Tensor | None = None
+) -> torch.Tensor:
     """``fp8rl_rmsnorm_rows`` (kernels.c, its own fixed order of the sum of squares) of
-    ``x [..., D]`` with the FP32 weight ``[D]`` -> FP32 ``[..., D]``. Call only where
-    ``library()`` loads and ``x`` is on the CPU."""
+    ``x [..., D]`` with the FP32 weight ``[D]`` -> FP32 ``[..., D]``; ``inv``: an FP32
+    tensor of x's rows that receives each row's ``1 / sqrt(mean(x^2) + eps)``. Call only
+    where ``library()`` loads and ``x`` is on the CPU."""
     rows = _row_view(x)
     w = weight.detach().float().contiguous()
     out = torch.empty(x.shape, dtype=torch.float32)
     library().fp8rl_rmsnorm_rows(rows.data_ptr(), rows.stride(0), w.data_ptr(), eps, out.data_ptr(), rows.shape[1],
-                                 rows.shape[0], rows.shape[1], _threads())
+                                 None if inv is None else inv.data_ptr(), rows.shape[0], rows.shape[1], _threads())
     return out
 
 

@@ -193,24 +193,28 @@ def fused_pointwise_on(module: nn.Module, x: torch.Tensor) -> bool:
 
 class _FusedRMSNorm(torch.autograd.Function):
     """`kernels.rmsnorm` with a graph: the kernel's forward bits; the gradient of the same
-    function in torch ops, from x (nothing compares gradients bit for bit)."""
+    function in torch ops, from x and the kernel's 1/rms of each row (nothing compares
+    gradients bit for bit)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(x, weight)
-        ctx.eps = eps
-        return kernels.rmsnorm(x, weight, eps)
+        inv = torch.empty(*x.shape[:-1], 1, dtype=torch.float32)
+        out = kernels.rmsnorm(x, weight, eps, inv)
+        ctx.save_for_backward(x, weight, inv)
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        x, weight = ctx.saved_tensors
-        x32, grad = x.float(), grad.float()
-        inv = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + ctx.eps)  # [..., 1]
-        gw = grad * weight
-        # d/dx of w * x * inv(x): inv * (gw - x * inv^2 * mean(gw * x))
-        dx = inv * (gw - x32 * (inv * inv) * (gw * x32).mean(-1, keepdim=True)) if ctx.needs_input_grad[0] else None
-        dw = (grad * (x32 * inv)).reshape(-1, x.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
-        return (None if dx is None else dx.to(x.dtype)), dw, None
+        x, weight, inv = ctx.saved_tensors  # inv [..., 1]: 1 / sqrt(mean(x^2) + eps)
+        grad = grad.float()
+        xhat = x.float() * inv
+        # y = w * xhat: dx = inv * (gw - xhat * mean(gw * xhat)) with gw = grad * w; dw = sum of grad * xhat
+        dw = (grad * xhat).reshape(-1, x.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
+        dx = None
+        if ctx.needs_input_grad[0]:
+            gw = grad * weight
+            dx = (inv * (gw - xhat * (gw * xhat).mean(-1, keepdim=True))).to(x.dtype)
+        return dx, dw, None
 
 
 class RMSNorm(nn.Module):
@@ -520,9 +524,9 @@ class _FusedSiluMul(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # type: ignore[override]
         g, u = ctx.saved_tensors
         g32, grad = g.float(), grad.float()
-        sig = torch.sigmoid(g32)
-        dg = grad * u * (sig * (1 + g32 * (1 - sig))) if ctx.needs_input_grad[0] else None
-        du = grad * (g32 * sig) if ctx.needs_input_grad[1] else None
+        # torch's own silu backward (one fused pass): what autograd of F.silu(g) * u runs
+        dg = torch.ops.aten.silu_backward(grad * u, g32) if ctx.needs_input_grad[0] else None
+        du = grad * F.silu(g32) if ctx.needs_input_grad[1] else None
         return (None if dg is None else dg.to(g.dtype)), (None if du is None else du.to(u.dtype))
 
 

@@ -27,6 +27,7 @@ global batch, so every number is the one-process run's. Rank 0 alone writes.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import itertools
@@ -37,7 +38,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -265,9 +266,7 @@ class Trainer:
         self.grad_groups = backward_groups(model, self.params)
         self._grad_sum: GradientSum | None = None
         self._group_calls = [0] * len(self.grad_groups)  # per group: forward calls whose backward is to come
-        if self.world.size > 1:
-            for group, module in enumerate(backward_modules(model)):
-                module.register_forward_pre_hook(functools.partial(self._watch_group_input, group))
+        self._watched = backward_modules(model) if self.world.size > 1 else []  # see _watching_group_inputs
         if self.master:
             freed = self.master.release()
             if freed:
@@ -438,10 +437,11 @@ class Trainer:
         t_rollout = time.perf_counter() - t_start
 
         t0 = time.perf_counter()
-        scored = self._score(out)
-        mask = self._global(out.completion_mask)  # [B, S] the whole step's, one-process order
-        weights, mismatch, is_stats = self._correct(scored, out, mask)
-        opt = self._optimize(out, adv, scored, weights, mask)
+        with self._watching_group_inputs():
+            scored = self._score(out)
+            mask = self._global(out.completion_mask)  # [B, S] the whole step's, one-process order
+            weights, mismatch, is_stats = self._correct(scored, out, mask)
+            opt = self._optimize(out, adv, scored, weights, mask)
         t_train = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -455,6 +455,20 @@ class Trainer:
     def _global(self, local: torch.Tensor) -> torch.Tensor:
         """This rank's rows [b, ...] -> the step's global batch [B, ...], one-process order."""
         return gather_global(local, self.row_order, self.world)
+
+    @contextlib.contextmanager
+    def _watching_group_inputs(self) -> Iterator[None]:
+        """`_watch_group_input` as a forward pre-hook of each `backward_modules` module
+        (data parallelism only) for the training phase, whose forwards have a graph. The
+        rollout's and the evaluation's forwards then meet no hook and run the model's
+        rollout layers (`Transformer.rollout_layers`: a hook runs only through a module call)."""
+        handles = [module.register_forward_pre_hook(functools.partial(self._watch_group_input, group))
+                   for group, module in enumerate(self._watched)]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def _watch_group_input(self, group: int, _module: torch.nn.Module, args: tuple) -> None:
         """A forward pre-hook of a `backward_modules` module (the final norm, a decoder

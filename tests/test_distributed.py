@@ -308,15 +308,17 @@ def test_the_trainer_streams_a_group_once_the_backward_of_all_its_calls_is_done(
             taken[group] = [None if params[i].grad is None else params[i].grad.clone() for i in groups[group]]
 
     trainer = object.__new__(Trainer)  # only the hooks' state
-    trainer._group_calls, trainer._grad_sum = [0] * len(groups), Recorder()
-    for group, module in enumerate(modules):
-        module.register_forward_pre_hook(functools.partial(trainer._watch_group_input, group))
+    trainer._group_calls, trainer._grad_sum, trainer._watched = [0] * len(groups), Recorder(), modules
     prompts = [[5 + i, 40 + 3 * i, 77, 12 + i][: 2 + i % 3] for i in range(3) for _ in range(4)]
+    # the rollout meets no hook (the training phase's only), so it runs the rollout layers where the model has them
     out = generate(model, prompts, SamplingParams(max_new_tokens=10), eos_ids=[1], pad_id=0, seeds=range(12))
-    logp, _ = score(model, out)
-    # the final norm once (the head reads all rows together), each layer twice: prompt call, completion call
-    assert trainer._group_calls == [1, *[2] * len(model.model.layers), 0]
-    (logp * torch.linspace(-1, 1, logp.shape[1])).sum().backward()
+    assert trainer._group_calls == [0] * len(groups)
+    with trainer._watching_group_inputs():
+        logp, _ = score(model, out)
+        # the final norm once (the head reads all rows together), each layer twice: prompt call, completion call
+        assert trainer._group_calls == [1, *[2] * len(model.model.layers), 0]
+        (logp * torch.linspace(-1, 1, logp.shape[1])).sum().backward()
+    assert not any(m._forward_pre_hooks for m in modules)  # removed with the phase
     assert list(taken) == list(range(len(modules))) and trainer._group_calls == [0] * len(groups)
     for group in range(len(modules)):
         final = [params[i].grad for i in groups[group]]

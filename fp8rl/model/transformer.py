@@ -33,13 +33,14 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.modules import module as nn_module
 
 from fp8rl.fp8 import kernels
 from fp8rl.fp8.backends import Backend
@@ -666,7 +667,6 @@ class DecoderLayer(nn.Module):
 def _hooked(module: nn.Module) -> bool:
     """Whether a forward hook would run on ``module`` or any module inside it (hooks run only
     through module calls; a global one on every module)."""
-    from torch.nn.modules import module as nn_module
     if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
         return True
     return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())

@@ -1,6 +1,6 @@
 """kernels.c's RMSNorm and SwiGLU gate (`fused_pointwise`): their numerics against float64,
 the summation order they define, row independence, and the gradients of their autograd
-wrappers against torch's ops (docs/design.md section 7)."""
+wrappers against torch's ops (docs/design.md section 3)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The rollout's decoder layers without the module dispatch (`Transformer.rollout_layers`,
 `fp8rl.fp8.linear.rollout_linears`): the module forward's bits in a prefill and in decode
 steps, K/V cache included, under every backend and flow, and the module forward wherever
-they do not apply (docs/design.md section 7)."""
+they do not apply (docs/design.md section 5)."""
 
 from __future__ import annotations
 

@@ -124,6 +124,10 @@ def test_no_rollout_layers_without_a_flow_with_a_hook_or_for_experts():
     handle.remove()
     with phase(model, "rollout"):
         assert model.rollout_layers() is not None
+    handle = model.model.norm.register_forward_pre_hook(lambda m, args: None)
+    with phase(model, "rollout"):  # the final norm stays a module call: its hook runs either way
+        assert model.rollout_layers() is not None
+    handle.remove()
     moe, _ = load("tiny-moe")
     apply_flow(moe, "bf16", "amx")
     with phase(moe, "rollout"):

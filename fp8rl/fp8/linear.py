@@ -398,11 +398,7 @@ def rollout_linears(layers: Sequence[nn.Module]) -> Callable[[torch.Tensor], lis
             return got if got is not None else [backend.bf16_matmul(x2, w, c) for w, c in zip(weights, caches)]
 
     def run(x: torch.Tensor) -> list[torch.Tensor]:
-        out = []
-        for y, bias in zip(products(x.reshape(-1, x.shape[-1])), biases):  # as _fprop finishes each
-            if bias is not None:
-                y = y + bias.float()
-            out.append(y if y.dtype == x.dtype else y.to(x.dtype))
-        return out
+        x2 = x.reshape(-1, x.shape[-1])
+        return [_fprop(x2, bias, None, None, y) for y, bias in zip(products(x2), biases)]  # bias, cast
 
     return run

@@ -547,11 +547,15 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up, down = (getattr(self, n) for n in self.names)
         g, u = linears_of_one_input(x, (gate, up))
+        return down(self.gated(g, u))
+
+    def gated(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """The gate, ``silu(g) * u``: kernels.c's loop where `fused_pointwise_on`, else torch's ops."""
         if not fused_pointwise_on(self, g):
-            return down(F.silu(g) * u)
+            return F.silu(g) * u
         if torch.is_grad_enabled() and (g.requires_grad or u.requires_grad):
-            return down(_FusedSiluMul.apply(g, u))
-        return down(kernels.silu_mul(g, u))
+            return _FusedSiluMul.apply(g, u)
+        return kernels.silu_mul(g, u)
 
 
 class Router(nn.Module):
@@ -712,7 +716,7 @@ class RolloutLayer:
         (o,) = self.o(out.transpose(1, 2).reshape(B, T, attn.n_heads * attn.head_dim))
         x = x + o.reshape(B, T, -1)
         g, u = self.gate_up(layer.post_attention_layernorm.forward(x))
-        (y,) = self.down(kernels.silu_mul(g, u) if fused_pointwise_on(mlp, g) else F.silu(g) * u)
+        (y,) = self.down(mlp.gated(g, u))
         return x + y.reshape(B, T, -1)
 
 
@@ -823,8 +827,9 @@ class Transformer(nn.Module):
         """The decoder layers' rollout forms (`RolloutLayer`) for the current weights, for
         ``forward(..., layers=...)`` in the steps of one rollout: build them in the rollout
         phase (fp8rl.precision.phase) and drop them when it ends. None (run the modules)
-        for a model without a flow or with a layer that has no such form."""
-        if self.flow_plan is None or _hooked(self):
+        for a model without a flow or with a layer that has no such form. (The embeddings,
+        the final norm and the head stay module calls: their hooks run.)"""
+        if self.flow_plan is None:
             return None
         layers = [RolloutLayer.of(layer) for layer in self.model.layers]
         return None if any(layer is None for layer in layers) else layers

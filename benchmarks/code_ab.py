@@ -35,6 +35,8 @@ from pathlib import Path
 
 from vs_trl import cpu_name
 
+from fp8rl.config import parse_override
+
 ROOT = Path(__file__).resolve().parent.parent
 
 _CHILD = """
@@ -63,13 +65,13 @@ import fp8rl
 from fp8rl.fp8.backends import fast_backend
 from fp8rl.model import load
 from vs_trl import DEFAULT_SHAPES, run_fp8rl
-src, flow, repeats = sys.argv[1], sys.argv[2], int(sys.argv[3])
+src, flow, repeats, overrides = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
 P, G, L = DEFAULT_SHAPES[src]
 model, _ = load(src)
 backend = fast_backend(model).name
 del model
 with tempfile.TemporaryDirectory() as tmp:
-    r = run_fp8rl(src, flow, backend, P, G, L, 1e-6, repeats, Path(tmp))
+    r = run_fp8rl(src, flow, backend, P, G, L, 1e-6, repeats, Path(tmp), overrides)
 print(json.dumps({"fp8rl": fp8rl.__file__, "tokens_per_s": 1.0 / r["step_s"], "backend": backend,
                   "step_s": r["step_s"], "train_s": r["time_train_s"], "rollout_s": r["time_rollout_s"]}))
 """
@@ -95,7 +97,8 @@ def run_once(pythonpath: str, args: argparse.Namespace) -> dict:
     env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
     if args.step:  # vs_trl.py (run_fp8rl) from this folder, fp8rl from PYTHONPATH's first entry
         env["PYTHONPATH"] = env["PYTHONPATH"] + os.pathsep + str(Path(__file__).resolve().parent)
-        argv = [_STEP_CHILD, args.model, args.flow, str(args.repeats)]
+        argv = [_STEP_CHILD, args.model, args.flow, str(args.repeats),
+                json.dumps(dict(parse_override(s) for s in args.set))]
     elif args.load:
         argv = [_LOAD_CHILD, args.model]
     else:
@@ -125,6 +128,8 @@ def main() -> int:
     ap.add_argument("--step", action="store_true",
                     help="time vs_trl.py's GRPO step of the model (its shape; --batch, --max-new-tokens unused) "
                          "instead of a fixed-length rollout; reported as steps/s")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="with --step: a run-config override of the step (e.g. train.grad_chunks=2)")
     ap.add_argument("--load", action="store_true",
                     help="time loading the model (`fp8rl.model.load`, after the imports of `fp8rl train`) and "
                          "its peak RSS instead; reported as loads/s")
@@ -132,6 +137,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.step and args.load:
         ap.error("--step and --load time different things: pass one")
+    if args.set and not args.step:
+        ap.error("--set overrides the GRPO step's config: it needs --step")
     with tempfile.TemporaryDirectory() as tmp:
         tree = Path(tmp) / "base"
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), args.base],

@@ -168,7 +168,7 @@ def patched_fp8rl_train(timers: Timers, trainer: Any):
 
 
 def run_fp8rl(model_src: str, flow: str, backend: str, P: int, G: int, L: int, lr: float, steps: int,
-              tmp: Path) -> dict:
+              tmp: Path, overrides: dict[str, Any] | None = None) -> dict:
     from fp8rl.config import RunConfig
     from fp8rl.train import Trainer
 
@@ -178,7 +178,7 @@ def run_fp8rl(model_src: str, flow: str, backend: str, P: int, G: int, L: int, l
         "rollout.prompts_per_step": P, "rollout.group_size": G, "rollout.max_new_tokens": L,
         "rollout.temperature": 1.0, "rollout.top_p": 1.0, "rollout.top_k": 0,
         "train.steps": 1 + steps, "train.micro_batches": 1, "train.lr": lr, "train.kl_coef": 0.0,
-        "eval.n": 0, "checkpoint.every": 0,
+        "eval.n": 0, "checkpoint.every": 0, **(overrides or {}),
     })
     t0 = time.perf_counter()
     trainer = Trainer(cfg, log=lambda s: None)

@@ -227,6 +227,15 @@ class GradientSum:
     to FP32, the same bits on any number of ranks; and its global L2 norm, as
     torch's `clip_grad_norm_` computes it in one process.
 
+    Two terms are summed in FP32, not float64: the float64 sum of two FP32 numbers
+    rounded to FP32 is their FP32 sum, bit for bit (double rounding through a format
+    of at least 2p + 2 bits is innocuous for one addition, Figueroa 1995: 53 >= 2 * 24 + 2;
+    tests/test_distributed.py checks it on edge values). One process and rank 0 keep
+    a second term beside the first until a third comes or the sum is taken, so a
+    2-chunk micro-batch costs one FP32 pass over the gradient instead of three
+    float64 ones (a SmolLM2 step with `grad_chunks = 2`: 0.26-0.63 s -> see
+    benchmarks/README.md); a third term starts the float64 sum, added to in place.
+
     One process adds each chunk's gradient as its backward ends (`add()`). On N
     ranks, rank r holds chunks [r*m, (r+1)*m) of the micro-batch (`rank_groups`);
     `reduce()` passes the running float64 sum along the ranks: rank r receives the
@@ -279,7 +288,8 @@ class GradientSum:
 
     def _reset(self) -> None:
         n = len(self.params)
-        self.acc: list[torch.Tensor | None] = [None] * n  # rank 0: running sum (FP32 until a second term)
+        # rank 0: running sum; FP32 for one term, a pair of FP32 terms for two, float64 from three
+        self.acc: list[torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None] = [None] * n
         self.pending: list[list[torch.Tensor | None]] = []  # rank > 0: its chunks, until the running sum arrives
         self.taken = [False] * n  # this chunk's gradient of parameter i is taken
         self.passed = [False] * len(self.groups)  # the running sum has passed group g
@@ -302,8 +312,7 @@ class GradientSum:
             if g is None:  # no gradient (an expert no token chose): a zero term
                 continue
             if self.world.rank == 0:
-                a = self.acc[i]
-                self.acc[i] = g if a is None else a.to(torch.float64) + g.to(torch.float64)
+                self.acc[i] = _added(self.acc[i], g)
             else:
                 self.pending[-1][i] = g
         if rest:
@@ -329,7 +338,7 @@ class GradientSum:
         dtype = self.params[0].dtype
         self.streaming = False
         if w.size == 1:
-            grads = [torch.zeros_like(p) if a is None else a.reshape(p.shape).to(dtype)
+            grads = [torch.zeros_like(p) if a is None else _summed(a, dtype).reshape(p.shape)
                      for p, a in zip(self.params, self.acc)]
             self._reset()
             return grads, global_norm([torch.linalg.vector_norm(g) for g in grads])
@@ -370,8 +379,9 @@ class GradientSum:
             parts = running.split(sizes)
             if w.rank == 0:
                 for (i, start, stop), part in zip(segments, parts):
-                    if self.acc[i] is not None:
-                        part.copy_(self.acc[i].reshape(-1)[start:stop])  # exact: FP32 and float64 alike
+                    terms = self.acc[i]
+                    for term in (terms if isinstance(terms, tuple) else () if terms is None else (terms,)):
+                        part.add_(term.reshape(-1)[start:stop])  # exact: float64 += FP32 or float64
             else:
                 w.recv(running, w.rank - 1)
                 for grads in self.pending:
@@ -404,6 +414,30 @@ class GradientSum:
                 if flat.numel():
                     w.send(flat, r)
         self.passed[group] = True
+
+
+def _added(acc: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None,
+           g: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`GradientSum`'s running sum of one parameter with the term `g` added: the term
+    itself, then the pair of both terms, then their float64 sum, added to in place
+    (float64 += FP32 is the float64 addition of the widened term)."""
+    if acc is None:
+        return g
+    if isinstance(acc, tuple):
+        total = acc[0].to(torch.float64)
+        total.add_(acc[1])
+        return total.add_(g)
+    if acc.dtype == torch.float64:
+        return acc.add_(g)
+    return acc, g
+
+
+def _summed(acc: torch.Tensor | tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """A running sum (`_added`) rounded once to `dtype`: a pair by one addition in
+    `dtype`, the same bits as its float64 sum rounded (`GradientSum`)."""
+    if isinstance(acc, tuple):
+        return (acc[0] + acc[1]).to(dtype)  # not in place: the terms are the backward's gradient tensors
+    return acc.to(dtype)
 
 
 def backward_modules(model: nn.Module) -> list[nn.Module]:

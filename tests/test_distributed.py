@@ -8,6 +8,7 @@ import functools
 import itertools
 import json
 import os
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -206,6 +207,49 @@ def test_gradient_sum_is_the_same_on_any_number_of_ranks():
     assert partials[0] == 0.0 and not torch.equal(partials.float(), one)
     fp32 = sum(chunks[1:], chunks[0].clone())
     assert not torch.equal(fp32, one)  # why float64: an FP32 running sum rounds more
+
+
+def _edge_fp32_pairs(n: int = 200_000) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP32 pairs (a, b) where an FP32 sum and a float64 sum rounded could part
+    ways, if any could: random bit patterns (every exponent, subnormals, inf, NaN),
+    b a few ulps of a apart or 2**-25..2**-30 of a (halfway and below, where the
+    float64 sum rounds before the FP32 rounding), opposite signs that cancel,
+    signed zeros and sums past FP32's largest value."""
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(-(2**31), 2**31 - 1, (2, n), generator=g, dtype=torch.int64).to(torch.int32)
+    a, b = bits.view(torch.float32)
+    base = torch.randn(n, generator=g)
+    near = [base * (1 + 2.0 ** -torch.randint(20, 32, (n,), generator=g)),
+            base * 2.0 ** -torch.randint(24, 31, (n,), generator=g).float(),
+            -base * (1 + torch.randint(-4, 5, (n,), generator=g) * 2.0**-23),
+            torch.nextafter(base, torch.full_like(base, math.inf)) - base]
+    big = torch.full((4,), 3.4e38)
+    edge_a = torch.tensor([0.0, -0.0, -0.0, math.inf, -math.inf, 1e-45, -1e-45, 1.0])
+    edge_b = torch.tensor([-0.0, -0.0, 0.0, 1.0, math.inf, 1e-45, 1e-45, 2.0**-24])
+    firsts = torch.cat([a, *[base] * len(near), big, edge_a])
+    seconds = torch.cat([b, *near, big * torch.tensor([1.0, 0.01, 1e-7, -1.0]), edge_b])
+    return firsts, seconds
+
+
+def test_two_gradient_terms_are_summed_in_fp32_with_the_float64_sum_s_bits():
+    """Two chunks: `GradientSum` adds them in FP32, which must give the bits of their
+    float64 sum rounded once (what three or more terms get, and what a 2-rank
+    run's running sum gives): on edge values, and through 1 and 2 ranks."""
+    from fp8rl.distributed import _added, _summed
+
+    a, b = _edge_fp32_pairs()
+    want = (a.double() + b.double()).float()
+    got = _summed(_added(_added(None, a), b), torch.float32)
+    same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
+    assert bool(same.all()), (a[~same][:4], b[~same][:4])
+    assert _summed(_added(None, a), torch.float32) is a  # one term: itself, untouched
+    three = _summed(_added(_added(_added(None, a[:9]), b[:9]), a[:9]), torch.float32)
+    assert torch.equal(three, ((a[:9].double() + b[:9].double()) + a[:9].double()).float())
+    chunks = [a[:1000].nan_to_num(0.0, 0.0, 0.0), b[:1000].nan_to_num(0.0, 0.0, 0.0)]
+    (one,), _ = _gradient_sums(chunks, 1)
+    (r0, r1), _ = _gradient_sums(chunks, 2)
+    assert torch.equal(one, (chunks[0].double() + chunks[1].double()).float())
+    assert torch.equal(_whole([r0, r1], 2, [600, 400]), one)
 
 
 def test_layers_passed_during_the_backward_sum_what_the_reduce_sums():

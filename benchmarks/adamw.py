@@ -1,7 +1,8 @@
 """One AdamW step on a model's trainable weights: torch's default on the CPU (the
-single-tensor loop, what the trainer uses), the multi-tensor (`foreach`)
-implementation and the fused kernel, side by side in one run, plus whether each
-gives the default's bits after a few steps: the measurement behind the choice.
+single-tensor loop), the multi-tensor (`foreach`) implementation, torch's fused
+kernel and fp8rl's (`fp8rl.optim.AdamW`, one compiled pass per tensor: what the
+trainer uses), side by side in one run, plus whether each gives the default's
+bits after a few steps and how many weights differ: the measurement behind the choice.
 
     python benchmarks/adamw.py                                  # SmolLM2-135M's weights
     python benchmarks/adamw.py --model tiny-arith --repeats 20
@@ -25,11 +26,13 @@ from vs_trl import cpu_name  # benchmarks/ is on sys.path when a script here run
 
 from fp8rl.model.load import load_config, resolve
 from fp8rl.model.transformer import Transformer
+from fp8rl.optim import AdamW
 
 IMPLEMENTATIONS = {
     "single-tensor (torch's CPU default)": lambda ps, hyper: torch.optim.AdamW(ps, **hyper),
     "foreach": lambda ps, hyper: torch.optim.AdamW(ps, foreach=True, **hyper),
     "fused": lambda ps, hyper: torch.optim.AdamW(ps, fused=True, **hyper),
+    "fp8rl (fp8rl/optim.py, the trainer's)": lambda ps, hyper: AdamW(ps, **hyper),
 }
 
 
@@ -70,7 +73,9 @@ def main() -> int:
         del params, opt
     default = next(iter(final.values()))
     for r in results:
-        r["bitwise_equal_to_default"] = all(torch.equal(a, b) for a, b in zip(final[r["implementation"]], default))
+        mine = final[r["implementation"]]
+        r["bitwise_equal_to_default"] = all(torch.equal(a, b) for a, b in zip(mine, default))
+        r["weights_differing"] = sum(int((a != b).sum()) for a, b in zip(mine, default))
         r["speedup"] = results[0]["step_s"] / r["step_s"]
     n = sum(torch.Size(s).numel() for s in shapes)
     out = {"benchmark": "adamw", "machine": {"cpu": cpu_name(), "threads": torch.get_num_threads(),
@@ -81,7 +86,8 @@ def main() -> int:
           f"{torch.get_num_threads()} threads (best of {args.repeats})", file=sys.stderr)
     for r in results:
         print(f"  {r['implementation']:<38} {r['step_s'] * 1e3:8.1f} ms  {r['speedup']:5.2f}x  "
-              f"bitwise equal to the default after {args.check_steps} steps: {r['bitwise_equal_to_default']}",
+              f"bitwise equal to the default after {args.check_steps} steps: {r['bitwise_equal_to_default']} "
+              f"({r['weights_differing']} weights differ)",
               file=sys.stderr)
     return 0
 

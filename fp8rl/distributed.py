@@ -45,6 +45,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fp8rl.optim import AdamW
+
 
 class DistributedError(ValueError):
     """A run that cannot be split across the ranks as asked (batch split,
@@ -543,7 +545,7 @@ class ShardedMaster:
         self.compute = [p for p in model.parameters() if p.requires_grad]
         self.shards = [p for p in self.master.parameters() if p.requires_grad]
         self.push()
-        self.optimizer = torch.optim.AdamW(self.shards, **optimizer_kwargs)
+        self.optimizer = AdamW(self.shards, **optimizer_kwargs)
         self.linears = list(fp8_linears(model))
         # compute weight -> its FP8Linear, for the weights this rank holds only quantized
         self.releasable = {id(m.weight): m for m in self.linears} if release else {}

@@ -70,6 +70,7 @@ from fp8rl.evaluate import evaluate
 from fp8rl.fp8 import NonFiniteError
 from fp8rl.runlog import RunLogger, read_metrics, write_summary
 from fp8rl.model.transformer import Transformer
+from fp8rl.optim import AdamW
 from fp8rl.precision import (
     apply_flow,
     fp8_linears,
@@ -244,7 +245,7 @@ class Trainer:
         # model then keeps only its linears' quantized weights (vLLM's refit reads
         # the FP32 weights, so with vLLM they stay).
         self.master = ShardedMaster(model, adamw, release=r.engine != "vllm") if self.world.size > 1 else None
-        self.optimizer = self.master.optimizer if self.master else torch.optim.AdamW(self.params, **adamw)
+        self.optimizer = self.master.optimizer if self.master else AdamW(self.params, **adamw)
         self.task: Task = make_task(cfg.task)
         self.test_problems = self.task.test_problems(cfg.eval.n) if cfg.eval.n > 0 else []
         if self.flow.needs_calibration:
@@ -366,7 +367,7 @@ class Trainer:
         # Optimizer state written by one process: loaded whole (then sharded here);
         # by data-parallel ranks: read as shards of any world size.
         one_process = not (ckpt / SHARDED_OPTIMIZER).is_dir()
-        full_opt = torch.optim.AdamW(self.params, lr=self.cfg.train.lr) if self.master and one_process else None
+        full_opt = AdamW(self.params, lr=self.cfg.train.lr) if self.master and one_process else None
         try:
             if full_opt is not None:
                 meta = load_checkpoint(ckpt, self.model, full_opt)

@@ -783,3 +783,33 @@ void fp8rl_silu_mul_rows(const float *g, int64_t ldg, const float *u, int64_t ld
         }
     }
 }
+
+/* One AdamW step of n FP32 elements in place (fp8rl/optim.py), in the operations of torch's
+   single-tensor AdamW (torch.optim.AdamW on the CPU), each rounded once in FP32:
+     p = p * decay                              (decay = 1 - lr * weight_decay)
+     m = fma(c, g - m, m)  if |w| < 0.5, else fma(c, g - m, g)   (lerp_(g, w): c = w, or w - 1)
+     v = fma(s2 * g, g, v * b2)                 (mul_(b2).addcmul_(g, g, value=s2))
+     d = sqrt(v) / bc2s + eps                   (bc2s = sqrt(1 - b2**step))
+     p = p + (neg_step * m) / d                 (addcdiv_(m, d, value=neg_step))
+   The two fmas are the fused multiply-adds torch's vectorized lerp and addcmul make; the
+   square root is correctly rounded (torch's vectorized one is not always, so the two differ
+   in the last bit of a rare p). Every element takes the same operations whatever its
+   position, so a shard of a tensor steps as the whole does (FSDP2). */
+void fp8rl_adamw(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, int64_t n,
+                 float decay, float w, float b2, float s2, float bc2s, float eps, float neg_step, int threads) {
+    (void)threads;
+    const int small = fabsf(w) < 0.5f;
+    const float c = small ? w : w - 1.0f;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && n >= 65536)
+#endif
+    for (int64_t i = 0; i < n; i++) {
+        const float gi = g[i], mi = m[i];
+        const float mn = fmaf(c, gi - mi, small ? mi : gi);
+        const float vn = fmaf(s2 * gi, gi, v[i] * b2);
+        const float d = sqrtf(vn) / bc2s + eps;
+        p[i] = p[i] * decay + (neg_step * mn) / d;
+        m[i] = mn;
+        v[i] = vn;
+    }
+}

@@ -43,8 +43,9 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("kernels.c")
-# IEEE semantics kept: no -ffast-math (reciprocals, reassociation), no FMA contraction.
-CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC")
+# IEEE semantics kept: no -ffast-math (reciprocals, reassociation), no FMA contraction (a kernel
+# that needs a fused multiply-add says so with fmaf). errno is never read: without it sqrtf vectorizes.
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno", "-shared", "-fPIC")
 # Tried first: the attention kernel's parallel loop. The library then needs libgomp.so.1, which
 # torch's CPU wheels have loaded already (torch/lib/libgomp.so.1), so the loop runs on torch's
 # own OpenMP threads (a second runtime's threads would fight torch's spinning workers for the
@@ -150,6 +151,8 @@ def library() -> ctypes.CDLL | None:
     lib.fp8rl_rmsnorm_rows.argtypes = [ptr, i64, ptr, ctypes.c_float, ptr, i64, ptr, i64, i64, ctypes.c_int]
     lib.fp8rl_silu_mul_rows.restype = None
     lib.fp8rl_silu_mul_rows.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ctypes.c_int]
+    lib.fp8rl_adamw.restype = None
+    lib.fp8rl_adamw.argtypes = [ptr, ptr, ptr, ptr, i64, *[ctypes.c_float] * 7, ctypes.c_int]
     return lib
 
 
@@ -193,6 +196,20 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     library().fp8rl_silu_mul_rows(gr.data_ptr(), gr.stride(0), ur.data_ptr(), ur.stride(0), out.data_ptr(), n,
                                   gr.shape[0], n, _threads())
     return out
+
+
+def adamw_(
+    p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, decay: float, weight: float,
+    beta2: float, bias_correction2_sqrt: float, eps: float, neg_step: float,
+) -> None:
+    """``fp8rl_adamw`` (kernels.c): one AdamW step of the FP32 weights ``p`` with gradient
+    ``g`` and moments ``m``, ``v`` (contiguous CPU tensors of one shape), in place. The
+    scalars are torch's single-tensor AdamW's, as Python floats (rounded to FP32 here, as
+    torch rounds a Python scalar for an FP32 op). Call only where ``library()`` loads."""
+    if not all(t.dtype == torch.float32 and t.is_contiguous() and t.shape == p.shape for t in (p, g, m, v)):
+        raise ValueError("adamw_: p, g, m and v must be contiguous FP32 tensors of one shape")
+    library().fp8rl_adamw(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel(), decay, weight,
+                          beta2, 1.0 - beta2, bias_correction2_sqrt, eps, neg_step, _threads())
 
 
 def qdq_rows(x: torch.Tensor, bk: int, ue8m0: bool, amax_floor: float) -> torch.Tensor | None:

@@ -5,11 +5,12 @@ Face folder for TRL), the same prompt strings and token ids, the same group
 size, completion budget, sampling (temperature 1, no top-k/top-p, stop at
 EOS), reward function and optimizer settings (AdamW, same lr, betas (0.9,
 0.99), no weight decay, grad clip 1, PPO clip 0.2/0.28, no KL term), and one
-optimizer step over all prompts x group samples. Each side runs one warm-up
-step, then the timed steps (3 by default: the mean) on the next prompts of the
-same problem stream. One timed step is not enough: a step after the warm-up
-still grows the process's heap, TRL's by more (its first timed SmolLM2 step
-20.3 s against 14.5 s for the mean of three, benchmarks/README.md).
+optimizer step over all prompts x group samples. Each side runs `--warmup`
+untimed steps (1 by default), then the timed steps (3 by default: the mean) on the
+next prompts of the same problem stream. One timed step is not enough: a step after
+one warm-up still grows the process's heap, TRL's by more (its first timed SmolLM2
+step 20.3 s against 14.5 s for the mean of three, benchmarks/README.md); `--warmup 2`
+times both sides' steady state, as the steps of a long run are.
 
 TRL is given its fastest fair CPU setup: float32 weights (bf16 matmuls are
 several times slower than float32 on this CPU), gradient checkpointing off
@@ -168,7 +169,7 @@ def patched_fp8rl_train(timers: Timers, trainer: Any):
 
 
 def run_fp8rl(model_src: str, flow: str, backend: str, P: int, G: int, L: int, lr: float, steps: int,
-              tmp: Path, overrides: dict[str, Any] | None = None) -> dict:
+              tmp: Path, overrides: dict[str, Any] | None = None, warmup: int = 1) -> dict:
     from fp8rl.config import RunConfig
     from fp8rl.train import Trainer
 
@@ -177,7 +178,7 @@ def run_fp8rl(model_src: str, flow: str, backend: str, P: int, G: int, L: int, l
         "backend": backend,
         "rollout.prompts_per_step": P, "rollout.group_size": G, "rollout.max_new_tokens": L,
         "rollout.temperature": 1.0, "rollout.top_p": 1.0, "rollout.top_k": 0,
-        "train.steps": 1 + steps, "train.micro_batches": 1, "train.lr": lr, "train.kl_coef": 0.0,
+        "train.steps": warmup + steps, "train.micro_batches": 1, "train.lr": lr, "train.kl_coef": 0.0,
         "eval.n": 0, "checkpoint.every": 0, **(overrides or {}),
     })
     t0 = time.perf_counter()
@@ -186,7 +187,7 @@ def run_fp8rl(model_src: str, flow: str, backend: str, P: int, G: int, L: int, l
     backend = trainer.backend
     timers = Timers()
     with patched_fp8rl_train(timers, trainer):
-        warm = trainer.train_step().metrics
+        warm = [trainer.train_step().metrics for _ in range(warmup)]
         timers.take()
         timed, parts = [], []
         for _ in range(steps):
@@ -215,7 +216,7 @@ def run_fp8rl(model_src: str, flow: str, backend: str, P: int, G: int, L: int, l
     }
     breakdown["other_s"] = out["step_s"] - sum(breakdown.values())  # advantages, mismatch metrics, losses
     out["breakdown"] = breakdown
-    out["warmup_step_s"] = warm["time_step_s"]
+    out["warmup_step_s"] = [m["time_step_s"] for m in warm]
     out["setup_s"] = setup_s
     out["steps_timed"] = steps
     out["backend"] = backend
@@ -226,7 +227,7 @@ def run_fp8rl(model_src: str, flow: str, backend: str, P: int, G: int, L: int, l
 
 
 def run_trl(hf_dir: Path, prompt_texts: list[str], problems: list, P: int, G: int, L: int, lr: float,
-            steps: int, tmp: Path) -> dict:
+            steps: int, tmp: Path, warmup: int = 1) -> dict:
     import transformers
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -288,7 +289,7 @@ def run_trl(hf_dir: Path, prompt_texts: list[str], problems: list, P: int, G: in
         adam_beta1=0.9, adam_beta2=0.99, weight_decay=0.0, max_grad_norm=1.0,
         beta=0.0, num_iterations=1, epsilon=0.2, epsilon_high=0.28, scale_rewards="group",
         bf16=False, fp16=False, use_cpu=True, gradient_checkpointing=False,
-        max_steps=1 + steps, logging_steps=1, save_strategy="no", eval_strategy="no",
+        max_steps=warmup + steps, logging_steps=1, save_strategy="no", eval_strategy="no",
         report_to="none", disable_tqdm=True, log_completions=False,
         shuffle_dataset=False, seed=0, data_seed=0, dataloader_num_workers=0,
     )
@@ -307,9 +308,9 @@ def run_trl(hf_dir: Path, prompt_texts: list[str], problems: list, P: int, G: in
     del trainer, model
     gc.collect()
 
-    if len(clock.steps) != 1 + steps:
-        raise RuntimeError(f"TRL ran {len(clock.steps)} steps, expected {1 + steps}")
-    timed = clock.steps[1:]
+    if len(clock.steps) != warmup + steps:
+        raise RuntimeError(f"TRL ran {len(clock.steps)} steps, expected {warmup + steps}")
+    timed = clock.steps[warmup:]
     step_s = mean([r["step_s"] for r in timed])
     tokens = mean([r["completion_tokens"] for r in timed])
     parts = {k: mean([r.get(k, 0.0) for r in timed])
@@ -332,7 +333,7 @@ def run_trl(hf_dir: Path, prompt_texts: list[str], problems: list, P: int, G: in
         "generate_tokens_per_s": tokens / parts["generate"],
         "step_tokens_per_s": tokens / step_s,
         "breakdown": breakdown,
-        "warmup_step_s": clock.steps[0]["step_s"],
+        "warmup_step_s": [r["step_s"] for r in clock.steps[:warmup]],
         "setup_s": setup_s,
         "steps_timed": steps,
         "threads_after_train": threads_after,
@@ -353,10 +354,10 @@ def rollout_benchers() -> tuple[Callable, Callable]:
 
 
 def bench_model(model_src: str, backend_choice: str, P: int, G: int, L: int, flows: list[str], lr: float,
-                steps: int, rollout: bool, log: Callable[[str], None]) -> dict:
+                steps: int, rollout: bool, log: Callable[[str], None], warmup: int = 1) -> dict:
     from fp8rl.model import export_hf, load
     from fp8rl.prompts import encode_prompts, format_prompt
-    n_problems = (1 + steps) * P
+    n_problems = (warmup + steps) * P
     problems = problems_for(n_problems)
     model, tok = load(model_src)
     backend = (fast_backend(model) if backend_choice == "fast" else resolve_backend(backend_choice, model)).name
@@ -372,13 +373,13 @@ def bench_model(model_src: str, backend_choice: str, P: int, G: int, L: int, flo
         del model
         gc.collect()
 
-        log(f"[{model_src}] TRL GRPOTrainer: {P} prompts x {G}, {L} tokens, {1 + steps} steps")
-        res["trl"] = run_trl(hf_dir, prompt_texts, problems, P, G, L, lr, steps, tmp)
+        log(f"[{model_src}] TRL GRPOTrainer: {P} prompts x {G}, {L} tokens, {warmup} + {steps} steps")
+        res["trl"] = run_trl(hf_dir, prompt_texts, problems, P, G, L, lr, steps, tmp, warmup)
         log(f"[{model_src}] TRL step {res['trl']['step_s']:.2f}s")
         res["fp8rl"] = {}
         for flow in flows:
-            log(f"[{model_src}] fp8rl {flow}: {1 + steps} steps")
-            res["fp8rl"][flow] = run_fp8rl(model_src, flow, backend, P, G, L, lr, steps, tmp)
+            log(f"[{model_src}] fp8rl {flow}: {warmup} + {steps} steps")
+            res["fp8rl"][flow] = run_fp8rl(model_src, flow, backend, P, G, L, lr, steps, tmp, warmup=warmup)
             log(f"[{model_src}] fp8rl {flow} step {res['fp8rl'][flow]['step_s']:.2f}s")
 
         if rollout:
@@ -460,7 +461,10 @@ def main() -> int:
                          "auto: what `fp8rl train` picks (the same, after its batch-invariance check on the "
                          "model)")
     ap.add_argument("--steps", type=int, default=3,
-                    help="timed steps per side, after one warm-up step (the first timed ones still grow the heap)")
+                    help="timed steps per side, after the warm-up steps (the first timed ones may still grow the heap)")
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="untimed steps per side first (2: both sides' heaps have reached their peak, the "
+                         "steady state of a long run)")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's default, all cores)")
     ap.add_argument("--no-rollout", action="store_true", help="skip the fixed-length rollout comparison")
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny-arith only, 2 prompts x 2, 8 tokens")
@@ -472,6 +476,8 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     if args.steps < 1:
         ap.error("--steps must be >= 1")
+    if args.warmup < 1:
+        ap.error("--warmup must be >= 1")
     models = ["tiny-arith"] if args.quick else [m for m in args.models.split(",") if m]
     flows = [f for f in args.flows.split(",") if f]
 
@@ -496,7 +502,8 @@ def main() -> int:
         for src in models:
             dP, dG, dL = QUICK_SHAPE if args.quick else DEFAULT_SHAPES.get(src, DEFAULT_SHAPES["tiny-arith"])
             P, G, L = args.prompts or dP, args.group_size or dG, args.max_new_tokens or dL
-            results.append(bench_model(src, args.backend, P, G, L, flows, args.lr, args.steps, not args.no_rollout, log))
+            results.append(bench_model(src, args.backend, P, G, L, flows, args.lr, args.steps, not args.no_rollout, log,
+                                       args.warmup))
 
     from importlib.metadata import PackageNotFoundError, version
 
@@ -514,6 +521,7 @@ def main() -> int:
             "fp8rl": fp8rl_version,
         },
         "target_speedup": TARGET_SPEEDUP,
+        "warmup_steps": args.warmup, "steps_timed": args.steps,
         "results": results,
         "target_met": [f"{r['model']}:{flow}" for r in results for flow in r["fp8rl"]
                        if r["speedups"][f"{flow}_step_speedup"] >= TARGET_SPEEDUP],

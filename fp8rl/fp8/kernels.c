@@ -813,3 +813,113 @@ void fp8rl_adamw(float *restrict p, const float *restrict g, float *restrict m, 
         v[i] = vn;
     }
 }
+
+/* Log-softmax of FP32 rows at given tokens, and its gradient (rollout/engine.py
+   `token_logprobs` under a backend with `fused_pointwise`: the rollout's recorded log-probs
+   and the training forward's both come from here, so they agree bit for bit, and no
+   vocabulary-sized log-softmax is ever written). Row r (V elements x[j], temperature t):
+     y[j]  = x[j] / t                     (x[j] itself where t == 1)
+     m     = max_j y[j]                   (exact in any order; NaNs are skipped here and
+                                           reach the sum below)
+     s     = sum_j exp(y[j] - m)          (exp_nonpos_v; 16-lane chunks k of the row go to
+                                           accumulator k % 4, a partial last chunk padded
+                                           with -inf (exp 0); (a0 + a1) + (a2 + a3), then the
+                                           lanes by a fixed halving tree)
+     logp  = (y[target] - m) - log(s)     (torch's log_softmax's form: x - max - log(sum))
+     entropy = log(s) - w / s,  w = sum_j exp(y[j] - m) * (y[j] - m)   (-sum p log p;
+                                           a term with exp 0 counts 0: a -inf logit adds no NaN)
+   The order is fixed by the code, not by the CPU's vector width: the same bits on every
+   x86-64 CPU. stats[2r], stats[2r + 1] keep m and log(s) for the backward:
+     grad[j] = g * (0 - p[j]) (g * (1 - p[target]) at the target), p[j] = exp((y[j] - m) - log(s)),
+   then / t where t != 1 (the chain rule through y = x / t). */
+static inline vf logit_chunk(const float *x, int64_t j, int64_t V, float t, int scaled) {
+    vf y;
+    if (j + LANES <= V) {
+        y = loadu(x + j);
+    } else {
+        float tail[LANES];
+        for (int l = 0; l < LANES; l++) tail[l] = j + l < V ? x[j + l] : -INFINITY;
+        y = loadu(tail);
+    }
+    return scaled ? y / t : y;
+}
+
+static inline float lanes_sum(vf v) {
+    float lanes[LANES];
+    storeu(lanes, v);
+    for (int width = LANES / 2; width > 0; width /= 2)
+        for (int l = 0; l < width; l++) lanes[l] = lanes[l] + lanes[l + width];
+    return lanes[0];
+}
+
+static void logprob_row(const float *x, int64_t V, int64_t target, float t, float *logp, float *stats,
+                        float *entropy) {
+    const int scaled = t != 1.0f;
+    vf mv = splat(-INFINITY);
+    for (int64_t j = 0; j < V; j += LANES) {
+        const vf y = logit_chunk(x, j, V, t, scaled);
+        mv = select_vf((vi)(y > mv), y, mv);
+    }
+    float m = -INFINITY;
+    for (int l = 0; l < LANES; l++) m = mv[l] > m ? mv[l] : m;
+    vf s[4] = {splat(0.0f), splat(0.0f), splat(0.0f), splat(0.0f)};
+    vf w[4] = {splat(0.0f), splat(0.0f), splat(0.0f), splat(0.0f)};
+    const vf mm = splat(m);
+    int64_t k = 0;
+    for (int64_t j = 0; j < V; j += LANES, k++) {
+        const vf d = logit_chunk(x, j, V, t, scaled) - mm;
+        const vf e = exp_nonpos_v(d);
+        s[k % 4] = s[k % 4] + e;
+        if (entropy) w[k % 4] = w[k % 4] + select_vf((vi)(e > 0.0f), e * d, splat(0.0f));
+    }
+    const float sum = lanes_sum((s[0] + s[1]) + (s[2] + s[3]));
+    const float logs = logf(sum);
+    const float yt = scaled ? x[target] / t : x[target];
+    *logp = (yt - m) - logs;
+    stats[0] = m;
+    stats[1] = logs;
+    if (entropy) *entropy = logs - lanes_sum((w[0] + w[1]) + (w[2] + w[3])) / sum;
+}
+
+void fp8rl_token_logprobs(const float *x, int64_t ldx, const int64_t *target, int64_t rows, int64_t V, float t,
+                          float *logp, float *stats, float *entropy, int threads) {
+    (void)threads;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows > 1 && rows * V >= 65536)
+#endif
+    for (int64_t r = 0; r < rows; r++)
+        logprob_row(x + r * ldx, V, target[r], t, logp + r, stats + 2 * r, entropy ? entropy + r : NULL);
+}
+
+void fp8rl_token_logprobs_backward(const float *x, int64_t ldx, const int64_t *target, int64_t rows, int64_t V,
+                                   float t, const float *stats, const float *grad_logp, float *grad, int64_t ldg,
+                                   int threads) {
+    (void)threads;
+    const int scaled = t != 1.0f;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows > 1 && rows * V >= 65536)
+#endif
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * ldx;
+        float *gr = grad + r * ldg;
+        const float g = grad_logp[r];
+        const vf m = splat(stats[2 * r]), logs = splat(stats[2 * r + 1]), ng = splat(-g);
+        for (int64_t j = 0; j < V; j += LANES) {
+            const vf p = exp_nonpos_v((logit_chunk(xr, j, V, t, scaled) - m) - logs);
+            vf gj = ng * p; /* g * (0 - p) == (-g) * p, exactly */
+            if (scaled) gj = gj / t;
+            if (j + LANES <= V) {
+                storeu(gr + j, gj);
+            } else {
+                float out[LANES];
+                storeu(out, gj);
+                memcpy(gr + j, out, (size_t)(V - j) * sizeof(float));
+            }
+        }
+        const int64_t at = target[r];
+        const float yt = scaled ? xr[at] / t : xr[at];
+        const float pt = exp_nonpos_v(splat((yt - stats[2 * r]) - stats[2 * r + 1]))[0];
+        const float gt = g * (1.0f - pt);
+        gr[at] = scaled ? gt / t : gt;
+    }
+}

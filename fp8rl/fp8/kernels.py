@@ -13,6 +13,11 @@ optimizer step (``quantize_blocks``), and for their dequantization to FP32 or BF
 Two more hot loops of the rollout: softmax attention over a BF16 KV cache
 (``attention``, with ``rope_store`` writing it), and each decode step's sampling
 noise (``uniform_rows``: torch.rand's numbers from every row's generator at once).
+Under ``cpu`` and ``amx`` (``Backend.fused_pointwise``): RMSNorm, the SwiGLU gate and the
+sampled tokens' log-probs (``token_logprobs``, forward and backward) in fixed orders of their
+own; and AdamW's step (fp8rl/optim.py). Their 16-lane vectors and IEEE rounding give the same
+bits whatever instruction set the library is built for (tests/test_logprob_kernel.py builds it
+for SSE2 and AVX2 and compares).
 
 The kernels are optional. ``library()`` builds ``kernels.c`` once per machine
 with the system C compiler (``$CC``, else ``cc``, ``gcc`` or ``clang``) into a cache
@@ -153,6 +158,11 @@ def library() -> ctypes.CDLL | None:
     lib.fp8rl_silu_mul_rows.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ctypes.c_int]
     lib.fp8rl_adamw.restype = None
     lib.fp8rl_adamw.argtypes = [ptr, ptr, ptr, ptr, i64, *[ctypes.c_float] * 7, ctypes.c_int]
+    lib.fp8rl_token_logprobs.restype = None
+    lib.fp8rl_token_logprobs.argtypes = [ptr, i64, ptr, i64, i64, ctypes.c_float, ptr, ptr, ptr, ctypes.c_int]
+    lib.fp8rl_token_logprobs_backward.restype = None
+    lib.fp8rl_token_logprobs_backward.argtypes = [ptr, i64, ptr, i64, i64, ctypes.c_float, ptr, ptr, ptr, i64,
+                                                  ctypes.c_int]
     return lib
 
 
@@ -210,6 +220,56 @@ def adamw_(
         raise ValueError("adamw_: p, g, m and v must be contiguous FP32 tensors of one shape")
     library().fp8rl_adamw(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel(), decay, weight,
                           beta2, 1.0 - beta2, bias_correction2_sqrt, eps, neg_step, _threads())
+
+
+def _logit_rows(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP32 CPU ``logits [N, V]`` with unit column stride (a copy where the view has another)
+    and ``target [N]`` as contiguous int64, checked: an out-of-range token raises here, as
+    torch's gather would, instead of reading outside the row."""
+    if logits.dim() != 2 or logits.dtype != torch.float32 or not logits.is_cpu:
+        raise ValueError("token_logprobs: logits must be FP32 CPU rows [N, V]")
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    target = target.to(torch.long).contiguous()
+    if target.shape != logits.shape[:1]:
+        raise ValueError(f"token_logprobs: {target.numel()} targets for {logits.shape[0]} rows")
+    if target.numel() and not (0 <= int(target.min()) and int(target.max()) < logits.shape[1]):
+        raise IndexError(f"token_logprobs: a target outside the vocabulary of {logits.shape[1]}")
+    return logits, target
+
+
+def token_logprobs(
+    logits: torch.Tensor, target: torch.Tensor, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``fp8rl_token_logprobs`` (kernels.c): ``log_softmax(logits / temperature)`` at each
+    row's target token, in the kernel's own fixed order -> (logp [N], stats [N, 2]: each
+    row's max and log of its sum of exponentials, for `token_logprobs_backward`; the
+    entropy [N] or None). Call only where ``library()`` loads."""
+    logits, target = _logit_rows(logits, target)
+    N, V = logits.shape
+    logp = torch.empty(N, dtype=torch.float32)
+    stats = torch.empty(N, 2, dtype=torch.float32)
+    entropy = torch.empty(N, dtype=torch.float32) if with_entropy else None
+    library().fp8rl_token_logprobs(logits.data_ptr(), logits.stride(0), target.data_ptr(), N, V, temperature,
+                                   logp.data_ptr(), stats.data_ptr(),
+                                   None if entropy is None else entropy.data_ptr(), _threads())
+    return logp, stats, entropy
+
+
+def token_logprobs_backward(
+    logits: torch.Tensor, target: torch.Tensor, temperature: float, stats: torch.Tensor, grad_logp: torch.Tensor
+) -> torch.Tensor:
+    """The gradient of `token_logprobs`' logp with respect to ``logits``: FP32 ``[N, V]``,
+    row r ``grad_logp[r] * (onehot(target[r]) - softmax(logits[r] / temperature)) / temperature``
+    (``fp8rl_token_logprobs_backward``, from the forward's ``stats``)."""
+    logits, target = _logit_rows(logits, target)
+    N, V = logits.shape
+    g = grad_logp.to(torch.float32).contiguous()
+    grad = torch.empty(N, V, dtype=torch.float32)
+    library().fp8rl_token_logprobs_backward(logits.data_ptr(), logits.stride(0), target.data_ptr(), N, V,
+                                            temperature, stats.data_ptr(), g.data_ptr(), grad.data_ptr(), V,
+                                            _threads())
+    return grad
 
 
 def qdq_rows(x: torch.Tensor, bk: int, ue8m0: bool, amax_floor: float) -> torch.Tensor | None:

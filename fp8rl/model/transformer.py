@@ -186,7 +186,8 @@ def make_context(
 
 
 def fused_pointwise_on(module: nn.Module, x: torch.Tensor) -> bool:
-    """Whether `module` (an RMSNorm or an MLP) runs its pointwise arithmetic as kernels.c's
+    """Whether `module` (an RMSNorm, an MLP, or the Transformer for the log-probs of its
+    logits) runs its pointwise arithmetic as kernels.c's
     loops: its flow's backend asks for them (`Backend.fused_pointwise`, set by
     fp8rl.precision.apply_flow) and the compiled kernels load for this CPU tensor."""
     return module.fused_pointwise and x.is_cpu and kernels.library() is not None
@@ -744,6 +745,8 @@ class Transformer(nn.Module):
         self.head_plan: HeadPlan = FULL_PRECISION_HEAD
         self._head_cache: tuple[tuple, dict] | None = None
         self.flow_plan: FlowPlan | None = None  # the resolved flow, once apply_flow ran
+        # The log-probs of its logits (rollout/engine.py token_logprobs) as kernels.c's loop (apply_flow sets it).
+        self.fused_pointwise = False
 
     def init_buffers(self) -> None:
         """The non-persistent buffers as a new model has them (the RoPE inverse

@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import torch
 
 from fp8rl.fp8 import kernels
-from fp8rl.model.transformer import KEY_SLOT_STEP, Transformer, make_context
+from fp8rl.model.transformer import KEY_SLOT_STEP, Transformer, fused_pointwise_on, make_context
 from fp8rl.precision import phase
 
 from .kv_cache import KVCache, PromptKV, rows_of_prompts
@@ -175,12 +175,21 @@ LOGPROB_CHUNK_BYTES = 8 << 20
 
 
 class _TokenLogprobs(torch.autograd.Function):
-    """`token_logprobs`' forward and backward, one chunk of rows at a time."""
+    """`token_logprobs`' forward and backward: kernels.c's loops (``fused``), else torch's
+    ops one chunk of rows at a time."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, temperature: float,
-                with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                with_entropy: bool, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
         N, V = logits.shape
+        ctx.temperature, ctx.fused = temperature, fused
+        if fused:
+            logp, stats, entropy = kernels.token_logprobs(logits, target, temperature, with_entropy)
+            if entropy is None:
+                entropy = logp.new_empty(0)
+            ctx.save_for_backward(logits, target, stats)
+            ctx.mark_non_differentiable(entropy)
+            return logp, entropy
         logp = torch.empty(N, dtype=logits.dtype, device=logits.device)
         entropy = torch.empty(N if with_entropy else 0, dtype=logits.dtype, device=logits.device)
         for rows in _row_chunks(N, V, logits.element_size()):
@@ -189,12 +198,15 @@ class _TokenLogprobs(torch.autograd.Function):
             if with_entropy:
                 entropy[rows] = token_entropy(ls)
         ctx.save_for_backward(logits, target)
-        ctx.temperature = temperature
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp: torch.Tensor, _grad_entropy: torch.Tensor):
+        if ctx.fused:
+            logits, target, stats = ctx.saved_tensors
+            grad = kernels.token_logprobs_backward(logits, target, ctx.temperature, stats, grad_logp)
+            return grad, None, None, None, None
         # torch's own backward of log_softmax -> gather (-> / temperature), row by row:
         # the log-softmax is recomputed per chunk (same bits) instead of kept [N, V].
         # Each chunk's one-hot gradient lives in one zero buffer (its entries set, then
@@ -215,7 +227,7 @@ class _TokenLogprobs(torch.autograd.Function):
             g_ls.scatter_(-1, at, 0.0)
             if ctx.temperature != 1.0:
                 out.div_(ctx.temperature)
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 def _row_chunks(n: int, width: int, itemsize: int) -> list[slice]:
@@ -228,24 +240,36 @@ def _log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 def token_logprobs(
-    logits: torch.Tensor, target: torch.Tensor, temperature: float = 1.0, *, with_entropy: bool = False
+    logits: torch.Tensor, target: torch.Tensor, temperature: float = 1.0, *, with_entropy: bool = False,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each target token and (optionally) each distribution's entropy:
     logits [N, V] float, target [N] long -> (logp [N], entropy [N] or None).
 
-    ``logp[i] = log_softmax(logits[i] / temperature)[target[i]]``, bit for bit what
-    `sample_next` records and what ``log_softmax(...).gather(...)`` over all rows
-    gives (the log-softmax of a row does not depend on the other rows); its
-    gradient is torch's backward of those ops, the same bits. The difference is
-    memory traffic: rows go in chunks of about LOGPROB_CHUNK_BYTES, so no
-    vocabulary-sized [N, V] log-softmax, entropy temporaries or one-hot gradient
-    is ever allocated; the backward recomputes each chunk's log-softmax. The
-    entropy (`token_entropy`, a metric) carries no graph."""
+    ``logp[i] = log_softmax(logits[i] / temperature)[target[i]]``. ``fused`` (the
+    model's backend asks for kernels.c's loops: `logprobs_fused`): computed by
+    ``fp8rl_token_logprobs`` in its own fixed order (the same bits on every CPU), from
+    two passes over each row that write nothing vocabulary-sized, with a one-pass
+    gradient from each row's saved max and log-sum. Otherwise bit for bit what
+    ``log_softmax(...).gather(...)`` over all rows gives (the log-softmax of a row
+    does not depend on the other rows), its gradient torch's backward of those ops,
+    in chunks of about LOGPROB_CHUNK_BYTES rows so that no [N, V] log-softmax,
+    entropy temporary or one-hot gradient is allocated; the backward recomputes each
+    chunk's log-softmax. Either way `sample_next` records what this returns for the
+    same logits. The entropy (`token_entropy`, a metric) carries no graph."""
     if logits.dim() != 2 or target.shape != logits.shape[:1]:
         raise ValueError(f"token_logprobs wants logits [N, V] and target [N], got {tuple(logits.shape)} "
                          f"and {tuple(target.shape)}")
-    logp, entropy = _TokenLogprobs.apply(logits, target, float(temperature), with_entropy)
+    fused = fused and logits.dtype == torch.float32 and logits.is_cpu
+    logp, entropy = _TokenLogprobs.apply(logits, target, float(temperature), with_entropy, fused)
     return logp, entropy if with_entropy else None
+
+
+def logprobs_fused(model: Transformer, logits: torch.Tensor) -> bool:
+    """Whether `token_logprobs` of ``model``'s logits runs kernels.c's loops: the model's
+    backend asks for them (`fused_pointwise_on`). The rollout and the training forward
+    both ask here, so they record and score the same bits."""
+    return fused_pointwise_on(model, logits)
 
 
 def default_cache_len(prompt_len: int, max_new_tokens: int) -> int:
@@ -328,19 +352,20 @@ class RowNoise:
 
 
 def sample_next(
-    logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor | None
+    logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor | None, *, fused: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row. logits [B, V] float32, noise [B, V] uniform in [0, 1)
     (None: greedy) -> (tokens [B], logprobs [B]).
 
     Gumbel-max on each row's own uniform noise (`RowNoise`: drawn from the row's
     own generator), so a sample depends only on its seed, not on the rest of the
-    batch."""
+    batch. The recorded log-prob is `token_logprobs` of the drawn token (``fused``:
+    `logprobs_fused`), what the training forward scores."""
     temp = params.logprob_temperature
-    logp = torch.log_softmax(logits / temp if temp != 1.0 else logits, dim=-1)  # x / 1.0 == x: skip the pass
     if params.temperature == 0:
         tok = logits.argmax(dim=-1)
-        return tok, logp.gather(-1, tok[:, None])[:, 0]
+        return tok, token_logprobs(logits, tok, temp, fused=fused)[0]
+    logp = torch.log_softmax(logits / temp if temp != 1.0 else logits, dim=-1)  # x / 1.0 == x: skip the pass
     filtered = logp  # masked below out of place: logp itself is returned unchanged
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
         kth = torch.topk(filtered, params.top_k, dim=-1).values[:, -1:]
@@ -356,6 +381,8 @@ def sample_next(
     tok = kernels.argmax_sum(filtered, gumbel)  # one pass, no sum tensor: the same sums, the same argmax
     if tok is None:
         tok = gumbel.add_(filtered).argmax(dim=-1)  # filtered + gumbel: the same sum
+    if fused:
+        return tok, token_logprobs(logits, tok, temp, fused=True)[0]
     return tok, logp.gather(-1, tok[:, None])[:, 0]
 
 
@@ -443,11 +470,12 @@ def generate(
             logits = logits[of_row]
             cache.keep_rows(of_row)
             _rows_of_prompts(routing, of_row)
+        fused = logprobs_fused(model, logits)
         steps = 0
         for t in range(params.max_new_tokens):
             col = P + t
             step_noise = noise.next() if noise is not None else None
-            tok, lp = sample_next(logits, params, step_noise)  # [R] for the running rows
+            tok, lp = sample_next(logits, params, step_noise, fused=fused)  # [R] for the running rows
             live = ~done[rows]
             tok = torch.where(live, tok, torch.full_like(tok, pad_id))
             tokens[rows, col] = tok
@@ -520,7 +548,7 @@ def score(
             logits = forward_shared_prompts(model, rollout, *shared, routing=routing)
     T, V = S - P, logits.shape[-1]
     lp, ent = token_logprobs(logits.reshape(B * T, V), tokens[:, P:].reshape(B * T), temperature,
-                             with_entropy=with_entropy)
+                             with_entropy=with_entropy, fused=logprobs_fused(model, logits))
     logp = torch.zeros(B, S, dtype=lp.dtype, device=tokens.device)
     logp[:, P:] = lp.view(B, T)
     logp = torch.where(rollout.completion_mask, logp, torch.zeros_like(logp))

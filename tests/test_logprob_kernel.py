@@ -126,8 +126,8 @@ def test_a_non_finite_row_gives_nan_and_a_bad_target_raises():
 
 
 def _isa_outputs() -> dict[str, torch.Tensor]:
-    """Every kernel whose bits docs/design.md section 3 calls the same on every x86-64 CPU, on
-    awkward inputs (ragged widths, masked and dominant logits, a temperature)."""
+    """Every compiled kernel's outputs on awkward inputs (ragged widths, masked and dominant
+    logits, a temperature, values over many binades, masked key slots, every KV storage)."""
     x = _logits(24, 1037, seed=10).requires_grad_()
     target = torch.randint(600, 1037, (24,), generator=torch.Generator().manual_seed(11))
     logp, entropy = token_logprobs(x, target, 0.7, with_entropy=True, fused=True)
@@ -140,8 +140,29 @@ def _isa_outputs() -> dict[str, torch.Tensor]:
         gr = torch.randn(70001, generator=torch.Generator().manual_seed(16 + step))
         kernels.adamw_(p, gr, m, v, decay=1 - 1e-3 * 0.01, weight=0.1, beta2=0.99,
                        bias_correction2_sqrt=(1 - 0.99**step) ** 0.5, eps=1e-8, neg_step=-(1e-3 / (1 - 0.9**step)))
-    return {"logp": logp, "entropy": entropy, "grad": grad, "rmsnorm": kernels.rmsnorm(h, w, 1e-6),
-            "silu_mul": kernels.silu_mul(h, h.flip(-1)), "adamw": torch.stack([p, m, v])}
+    out = {"logp": logp, "entropy": entropy, "grad": grad, "rmsnorm": kernels.rmsnorm(h, w, 1e-6),
+           "silu_mul": kernels.silu_mul(h, h.flip(-1)), "adamw": torch.stack([p, m, v])}
+    # attention over FP32, BF16 and E4M3 keys and values (P in E4M3 for the last), 40 live slots of 48
+    g = torch.Generator().manual_seed(20)
+    q = torch.randn(2, 4, 5, 64, generator=g)
+    kt, vv = torch.randn(2, 2, 64, 48, generator=g), torch.randn(2, 2, 48, 64, generator=g)
+    blocked = torch.rand(2, 1, 5, 48, generator=g) < 0.3
+    blocked[..., 0] = False
+    mask = kernels.padded_mask(blocked)
+    out["attention_fp32"] = kernels.attention(q, kt, vv, mask, 40, 0.125)
+    out["attention_bf16"] = kernels.attention(q, kt.bfloat16(), vv.bfloat16(), mask, 40, 0.125)
+    ks, vs = torch.tensor([0.01, 0.02]), torch.tensor([0.015, 0.005])
+    e4m3 = (kt / ks.view(1, -1, 1, 1)).clamp(-448, 448).to(torch.float8_e4m3fn)
+    v8 = (vv / vs.view(1, -1, 1, 1)).clamp(-448, 448).to(torch.float8_e4m3fn)
+    out["attention_e4m3"] = kernels.attention(q, e4m3, v8, mask, 40, 0.125, ks, vs, p_scale=1 / 448)
+    # the FP8 quantizers and the Gumbel-max
+    x = torch.randn(37, 300, generator=g) * torch.logspace(-6, 3, 300)
+    out["qdq_rows"] = kernels.qdq_rows(x, 128, False, 1e-12)
+    codes, scales = kernels.quantize_blocks(x, 128, 128, True, 1e-12)
+    out["quantize_blocks"] = torch.cat([codes.view(torch.uint8).flatten().float(), scales.flatten()])
+    out["dequantize_blocks"] = kernels.dequantize_blocks(codes, scales, 128, 128, torch.bfloat16).float()
+    out["argmax_sum"] = kernels.argmax_sum(x, x.flip(-1)).float()
+    return out
 
 
 @pytest.mark.parametrize("march", ["x86-64", "x86-64-v3"])

@@ -15,9 +15,9 @@ Two more hot loops of the rollout: softmax attention over a BF16 KV cache
 noise (``uniform_rows``: torch.rand's numbers from every row's generator at once).
 Under ``cpu`` and ``amx`` (``Backend.fused_pointwise``): RMSNorm, the SwiGLU gate and the
 sampled tokens' log-probs (``token_logprobs``, forward and backward) in fixed orders of their
-own; and AdamW's step (fp8rl/optim.py). Their 16-lane vectors and IEEE rounding give the same
-bits whatever instruction set the library is built for (tests/test_logprob_kernel.py builds it
-for SSE2 and AVX2 and compares).
+own; and AdamW's step (fp8rl/optim.py). Every kernel's 16-lane vectors and IEEE rounding give
+the same bits whatever instruction set the library is built for (tests/test_logprob_kernel.py
+builds it for SSE2 and AVX2 and compares).
 
 The kernels are optional. ``library()`` builds ``kernels.c`` once per machine
 with the system C compiler (``$CC``, else ``cc``, ``gcc`` or ``clang``) into a cache

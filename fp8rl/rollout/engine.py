@@ -260,7 +260,7 @@ def token_logprobs(
     if logits.dim() != 2 or target.shape != logits.shape[:1]:
         raise ValueError(f"token_logprobs wants logits [N, V] and target [N], got {tuple(logits.shape)} "
                          f"and {tuple(target.shape)}")
-    fused = fused and logits.dtype == torch.float32 and logits.is_cpu
+    fused = fused and logits.dtype == torch.float32 and logits.is_cpu and kernels.library() is not None
     logp, entropy = _TokenLogprobs.apply(logits, target, float(temperature), with_entropy, fused)
     return logp, entropy if with_entropy else None
 

@@ -18,6 +18,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "fp8rl"
 ALLOWED = {
     "fp8": set(),
     "precision": {"fp8"},
+    "optim": {"fp8"},
     "model": {"fp8", "precision"},
     "rollout": {"fp8", "precision", "model", "config"},
     "rl": set(),

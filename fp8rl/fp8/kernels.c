@@ -281,6 +281,22 @@ static inline vf exp_nonpos_v(vf x) {
     return select_vf(under, splat(0.0f), p * two_n);
 }
 
+/* The 16 lanes' sum by a fixed halving tree (lane l + width into lane l), and their max
+   (NaN lanes skipped): the horizontal reductions every kernel here ends its row with. */
+static inline float lanes_sum(vf v) {
+    float lanes[LANES];
+    storeu(lanes, v);
+    for (int width = LANES / 2; width > 0; width /= 2)
+        for (int l = 0; l < width; l++) lanes[l] = lanes[l] + lanes[l + width];
+    return lanes[0];
+}
+
+static inline float lanes_max(vf v) {
+    float m = -INFINITY;
+    for (int l = 0; l < LANES; l++) m = v[l] > m ? v[l] : m;
+    return m;
+}
+
 /* R query rows (qr, o, mask, live slot counts hi_of) against one KV head: keys kt[d * kt_d + l]
    (transposed: the slot axis contiguous), values v[l * v_l + d]; s: R x Lpad scratch. */
 static inline __attribute__((always_inline)) void rows_attention(
@@ -318,9 +334,8 @@ static inline __attribute__((always_inline)) void rows_attention(
         }
     }
     for (int r = 0; r < R; r++) {
-        float *sr = s + r * Lpad, lanes[LANES], m = -INFINITY;
-        storeu(lanes, vmx[r]);
-        for (int j = 0; j < LANES; j++) m = lanes[j] > m ? lanes[j] : m;
+        float *sr = s + r * Lpad;
+        const float m = lanes_max(vmx[r]);
         vf sum = splat(0.0f);
         for (int64_t c = 0; c < nch; c++) {
             const vf x = loadu(sr + c * LANES);
@@ -328,11 +343,9 @@ static inline __attribute__((always_inline)) void rows_attention(
             storeu(sr + c * LANES, e);
             sum = sum + e;
         }
-        storeu(lanes, sum);
-        for (int w = LANES / 2; w > 0; w /= 2)
-            for (int j = 0; j < w; j++) lanes[j] = lanes[j] + lanes[j + w];
+        const float total = lanes_sum(sum);
         for (int64_t c = 0; c < nch; c++) {
-            vf p = loadu(sr + c * LANES) / lanes[0];
+            vf p = loadu(sr + c * LANES) / total;
             if (p_scale > 0.0f) { /* quant.dequantize_static(p, p_scale): sign of p, then the scale */
                 const vf y = round_e4m3_v(p / p_scale);
                 p = (vf)(((vu)y & 0x7FFFFFFFu) | ((vu)p & 0x80000000u)) * p_scale;
@@ -733,11 +746,7 @@ void fp8rl_rmsnorm_rows(const float *x, int64_t ldx, const float *w, float eps, 
             const vf v = loadu(tail);
             acc = acc + v * v;
         }
-        float lanes[LANES];
-        storeu(lanes, acc);
-        for (int width = LANES / 2; width > 0; width /= 2)
-            for (int l = 0; l < width; l++) lanes[l] = lanes[l] + lanes[l + width];
-        const float inv = 1.0f / sqrtf(lanes[0] / (float)d + eps);
+        const float inv = 1.0f / sqrtf(lanes_sum(acc) / (float)d + eps);
         if (inv_out) inv_out[r] = inv;
         for (int64_t k = 0; k < d; k++) o[k] = w[k] * (xr[k] * inv);
     }
@@ -844,14 +853,6 @@ static inline vf logit_chunk(const float *x, int64_t j, int64_t V, float t, int 
     return scaled ? y / t : y;
 }
 
-static inline float lanes_sum(vf v) {
-    float lanes[LANES];
-    storeu(lanes, v);
-    for (int width = LANES / 2; width > 0; width /= 2)
-        for (int l = 0; l < width; l++) lanes[l] = lanes[l] + lanes[l + width];
-    return lanes[0];
-}
-
 static void logprob_row(const float *x, int64_t V, int64_t target, float t, float *logp, float *stats,
                         float *entropy) {
     const int scaled = t != 1.0f;
@@ -860,8 +861,7 @@ static void logprob_row(const float *x, int64_t V, int64_t target, float t, floa
         const vf y = logit_chunk(x, j, V, t, scaled);
         mv = select_vf((vi)(y > mv), y, mv);
     }
-    float m = -INFINITY;
-    for (int l = 0; l < LANES; l++) m = mv[l] > m ? mv[l] : m;
+    const float m = lanes_max(mv);
     vf s[4] = {splat(0.0f), splat(0.0f), splat(0.0f), splat(0.0f)};
     vf w[4] = {splat(0.0f), splat(0.0f), splat(0.0f), splat(0.0f)};
     const vf mm = splat(m);

@@ -21,7 +21,10 @@ EPS = 1e-5
 def rmsnorm_in_the_kernels_order(x: torch.Tensor, w: torch.Tensor, eps: float, with_inv: bool = False):
     """The order kernels.c documents, one FP32 operation at a time: 16 lane sums of the
     rounded squares over each row's elements in ascending order (lane j % 16), a halving
-    tree over the lanes, then 1 / sqrt(ss / d + eps) and w * (x * r)."""
+    tree over the lanes, then 1 / sqrt(ss / d + eps) and w * (x * r). The square root is
+    correctly rounded (C's sqrtf), which torch.sqrt is not on every CPU (MKL's vector math:
+    one ulp off for 17% of inputs on an AMD EPYC Zen 4, 2026-12-07): float64's, rounded once
+    to FP32, which is the correctly rounded FP32 root (53 >= 2 * 24 + 2 bits)."""
     rows, d = x.shape
     lanes = torch.zeros(rows, 16, dtype=torch.float32)
     padded = torch.cat([x, x.new_zeros(rows, -d % 16)], dim=1)
@@ -33,7 +36,8 @@ def rmsnorm_in_the_kernels_order(x: torch.Tensor, w: torch.Tensor, eps: float, w
         lanes = torch.cat([lanes[:, :width] + lanes[:, width : 2 * width], lanes[:, 2 * width :]], dim=1)
         width //= 2
     mean = lanes[:, :1] / torch.tensor(float(d), dtype=torch.float32)
-    inv = torch.tensor(1.0, dtype=torch.float32) / torch.sqrt(mean + torch.tensor(eps, dtype=torch.float32))
+    root = (mean + torch.tensor(eps, dtype=torch.float32)).double().sqrt().float()
+    inv = torch.tensor(1.0, dtype=torch.float32) / root
     return (w * (x * inv), inv) if with_inv else w * (x * inv)
 
 

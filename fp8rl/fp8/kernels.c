@@ -722,8 +722,8 @@ void fp8rl_argmax_sum(const float *a, int64_t la, const float *b, int64_t lb, in
    so a row's bits do not depend on the batch or the phase): for each row r < rows of d elements,
    ss = the sum of x[j] * x[j] (each square rounded, then added: no FMA) in 16 lane sums over
    j in ascending order (lane j % 16; a partial last chunk adds zeros), the lanes then summed by
-   a fixed halving tree; r = 1 / sqrt(ss / d + eps) (sqrt and division each rounded once, as
-   torch.rsqrt's); out[j] = w[j] * (x[j] * r); inv[r] = r where inv is given (the backward's).
+   a fixed halving tree; r = 1 / sqrt(ss / d + eps) (the square root correctly rounded, then
+   the division rounded once; torch.rsqrt's root is not correctly rounded on every CPU); out[j] = w[j] * (x[j] * r); inv[r] = r where inv is given (the backward's).
    Row strides ldx, ldo in elements. */
 void fp8rl_rmsnorm_rows(const float *x, int64_t ldx, const float *w, float eps, float *out, int64_t ldo,
                         float *inv_out, int64_t rows, int64_t d, int threads) {

@@ -2,7 +2,8 @@
 
 `backend = "auto"` (fp8rl/fp8/backends.py `choose_backend`, its rule `fast_backend`)
 picks `amx` on CPUs with AMX tiles (every model size), `amx` on CPUs with AVX512-BF16
-and no AMX for models at least `AVX512_BF16_MIN_WIDTH` wide and `cpu` below, `cpu` on
+and no AMX for dense models and for mixtures of experts at least
+`AVX512_BF16_MIN_MOE_WIDTH` wide (`cpu` below), `cpu` on
 AVX2-only CPUs, after checking batch invariance on the model's shapes. This script is
 the measurement behind that rule: the same GRPO steps (the trainer, default task, fixed seed) on every
 backend in the registry, for the built-in tiny policy and SmolLM2-135M, bf16 and
@@ -11,11 +12,13 @@ jet flows; the first step is a warm-up, the next ones are timed.
     python benchmarks/backends.py                          # both models (about 6 min on 2 cores)
     python benchmarks/backends.py --models tiny-arith --steps 4
     python benchmarks/backends.py --models tiny-arith,width-192,width-256,width-384   # where the pick turns
+    python benchmarks/backends.py --models tiny-moe,moe-width-256 --backends cpu,amx  # mixtures of experts
 
 `width-N` is tiny-arith's architecture widened to hidden size N (MLP 3N, heads of 32,
 half as many KV heads) with seeded random weights and tiny-arith's tokenizer, run on
 the default run's batch: the model sizes between the tiny policy and SmolLM2, to see
-at which width a backend overtakes another on this CPU. Its answers are random
+at which width a backend overtakes another on this CPU. `moe-width-N` is tiny-moe's
+(4 experts, top 2) at hidden and expert width N. Its answers are random
 tokens that run to the 48-token budget, so compare its rows with each other only.
 
 Run it on each kind of CPU, or let oneDNN / MKL / torch take another CPU's code
@@ -59,8 +62,9 @@ MODEL_SETTINGS = {
 
 def width_model(name: str, folder: Path) -> str:
     """``width-N`` -> the path of a random-weight tiny-arith of hidden size N written
-    under ``folder`` (any other name is returned as it is)."""
-    if not name.startswith("width-"):
+    under ``folder``; ``moe-width-N`` the same for tiny-moe (experts N wide); any other
+    name is returned as it is."""
+    if not name.startswith(("width-", "moe-width-")):
         return name
     import dataclasses
 
@@ -68,12 +72,15 @@ def width_model(name: str, folder: Path) -> str:
     from fp8rl.model.export import export_hf
     from fp8rl.model.transformer import Transformer
 
-    width = int(name.removeprefix("width-"))
+    moe = name.startswith("moe-")
+    width = int(name.removeprefix("moe-").removeprefix("width-"))
     if width % 64:
         raise SystemExit(f"{name}: the width must be a multiple of 64 (heads of 32, half as many KV heads)")
-    tiny, tok = load("tiny-arith")
-    config = dataclasses.replace(tiny.config, hidden_size=width, intermediate_size=3 * width,
+    tiny, tok = load("tiny-moe" if moe else "tiny-arith")
+    config = dataclasses.replace(tiny.config, hidden_size=width, intermediate_size=width if moe else 3 * width,
                                  num_heads=width // 32, num_kv_heads=width // 64)
+    if moe:
+        config = dataclasses.replace(config, moe_intermediate_size=width)
     torch.manual_seed(width)
     out = folder / name
     if not out.exists():

@@ -20,8 +20,8 @@ training forward/backward over the whole batch, as fp8rl does with
 the old ones for the mismatch metrics and importance weights, as in TRL).
 fp8rl runs on its fastest CPU backend for each model by default (`--backend fast`:
 fp8rl.fp8.backends.fast_backend, the rule of `auto`: "amx", native BF16 GEMMs,
-where the CPU has AMX tiles, or AVX512-BF16 and a model at least 192 wide; "cpu"
-elsewhere).
+where the CPU has AMX tiles, or AVX512-BF16 and a dense model or a mixture of experts
+at least 192 wide; "cpu" elsewhere).
 
 Completions stop at EOS on both sides, so the sampled lengths differ and so
 does the work: the report gives the mean completion length on each side, the

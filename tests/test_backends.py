@@ -16,6 +16,7 @@ from numerics import sqnr_db
 import fp8rl.fp8.backends as fb
 from fp8rl.fp8 import BACKENDS, QTensor, choose_backend, fp8_matmul, get_backend, quantize
 from fp8rl.fp8.backends import _NATIVE_ROWS, bf16_matmul
+from fp8rl.model.transformer import Router
 
 ALL = list(BACKENDS)
 
@@ -260,8 +261,9 @@ def test_every_backend_attention_products_are_batch_invariant(backend):
 def test_choose_backend_policy(monkeypatch: pytest.MonkeyPatch):
     """The one policy for backend = "auto": the exact reference off the CPU;
     on the CPU amx where the CPU has AMX tiles (every model size); with
-    AVX512-BF16 but no AMX, amx from AVX512_BF16_MIN_WIDTH on and cpu below
-    (measured, benchmarks/README.md); else cpu; unless the measured
+    AVX512-BF16 but no AMX, amx for dense models and for mixtures of experts from
+    AVX512_BF16_MIN_MOE_WIDTH on, cpu for narrower ones (measured, benchmarks/README.md);
+    else cpu; unless the measured
     batch-invariance check fails on the model's shapes."""
     small = nn.Linear(64, 64)
     big = nn.Linear(4096, 2048)
@@ -277,13 +279,18 @@ def test_choose_backend_policy(monkeypatch: pytest.MonkeyPatch):
     assert choose_backend(torch.device("cpu"), big) is BACKENDS["amx"]
     assert fb.resolve_backend("auto", small) is BACKENDS["amx"]
     assert probed == [("amx", big), ("amx", small)]
-    monkeypatch.setattr(fb, "amx_available", lambda: False)  # AVX512-BF16 alone: the width decides
-    edge = nn.Sequential(nn.Linear(fb.AVX512_BF16_MIN_WIDTH, 64), nn.Linear(64, 5000))  # its narrowest decides
+    monkeypatch.setattr(fb, "amx_available", lambda: False)  # AVX512-BF16 alone: dense amx, narrow MoE cpu
+    low = fb.AVX512_BF16_MIN_MOE_WIDTH
+    edge = nn.Sequential(nn.Linear(low, 64), nn.Linear(64, 5000))  # its narrowest decides
     assert fb.model_width(edge) == 64 and fb.model_width(big) == 4096 and fb.model_width(nn.ReLU()) == 0
-    wide = nn.Sequential(nn.Linear(fb.AVX512_BF16_MIN_WIDTH, 64), nn.Linear(fb.AVX512_BF16_MIN_WIDTH * 3, 8))
-    narrow = nn.Linear(fb.AVX512_BF16_MIN_WIDTH - 64, 4096)
-    assert [choose_backend(torch.device("cpu"), m).name for m in (big, wide, narrow, edge)] == ["amx", "amx", "cpu", "cpu"]
-    assert choose_backend(torch.device("cpu")) is BACKENDS["amx"]  # no model: the pick for a wide one
+    narrow = nn.Linear(low - 64, 4096)
+
+    def moe(width: int) -> nn.Module:  # a router beside linears of the given width: a mixture of experts
+        return nn.Sequential(Router(width, 4), nn.Linear(width, width), nn.Linear(width * 3, width))
+
+    picks = [choose_backend(torch.device("cpu"), m).name for m in (big, narrow, edge, moe(low), moe(low - 64))]
+    assert picks == ["amx", "amx", "amx", "amx", "cpu"]
+    assert choose_backend(torch.device("cpu")) is BACKENDS["amx"]  # no model: the pick for a dense one
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # native BF16 GEMMs here: naming amx warns of nothing
         assert fb.resolve_backend("amx", small) is BACKENDS["amx"]

@@ -948,13 +948,17 @@ def native_bf16_available() -> bool:
     return amx_available() or avx512_bf16_available()
 
 
-# The narrowest model (the smallest input width of its linears, i.e. its hidden size) for
-# which `amx` beats `cpu` on a CPU with AVX512-BF16 but no AMX tiles. Measured on a 2-core
-# AMD EPYC (Zen 4), 2026-12-03, GRPO steps of benchmarks/backends.py: width 128 (the tiny
-# policy) cpu 1.07-1.47x faster in jet and level in bf16, the default run 87-88 s on cpu
-# against 95 s on amx; width 192 amx 1.07-1.16x faster, 256 1.18-1.28x, 384 1.38-1.78x,
-# SmolLM2-135M (576) 2.1x.
-AVX512_BF16_MIN_WIDTH = 192
+# The narrowest mixture-of-experts model (the smallest input width of its linears, i.e.
+# its hidden size) for which `amx` beats `cpu` on a CPU with AVX512-BF16 but no AMX
+# tiles; a dense model takes `amx` at every width. Measured on a 2-core AMD EPYC (Zen 4),
+# GRPO steps of benchmarks/backends.py (benchmarks/README.md). 2026-12-07: dense, amx
+# 1.26x / 1.07x faster than cpu at width 128 (tiny-arith, bf16 / jet; the default run 33
+# s against 38 s, two alternated runs each), 1.58x / 1.26x for tiny-chain (128), 1.42-1.64x
+# at 192; mixtures of experts, cpu 1.21x / 1.37x faster at 128 (tiny-moe: 4 experts 128
+# wide, top 2, a few rows per expert GEMM), amx 1.29-1.42x at 192, 1.33-1.48x at 256,
+# 1.35-1.68x at 384. (On 2026-12-03, before the fused kernels of `amx`, cpu had won for
+# the dense tiny policy too: the threshold then applied to every model.)
+AVX512_BF16_MIN_MOE_WIDTH = 192
 
 
 def model_width(model: nn.Module) -> int:
@@ -967,12 +971,15 @@ def fast_backend(model: nn.Module | None = None) -> Backend:
     """The fastest CPU backend for ``model`` by the measured rule (benchmarks/README.md,
     ``benchmarks/backends.py``), without the batch-invariance check of
     ``choose_backend``: ``amx`` where the CPU has AMX tiles (fastest for every model size
-    measured); ``amx`` where it has AVX512-BF16 without AMX and the model is at least
-    ``AVX512_BF16_MIN_WIDTH`` wide (``model=None``: a model that wide); else ``cpu``
-    (on an AVX2-only CPU ``amx``'s BF16 GEMMs are emulated, 11-12x slower)."""
+    measured); ``amx`` where it has AVX512-BF16 without AMX, except for a mixture of
+    experts (a model with routers) narrower than ``AVX512_BF16_MIN_MOE_WIDTH``, which
+    takes ``cpu`` (``model=None``: a dense model); else ``cpu`` (on an AVX2-only CPU
+    ``amx``'s BF16 GEMMs are emulated, 11-12x slower)."""
     if amx_available():
         return BACKENDS["amx"]
-    if avx512_bf16_available() and (model is None or model_width(model) >= AVX512_BF16_MIN_WIDTH):
+    if avx512_bf16_available() and (
+        model is None or not _router_shapes(model) or model_width(model) >= AVX512_BF16_MIN_MOE_WIDTH
+    ):
         return BACKENDS["amx"]
     return BACKENDS["cpu"]
 
@@ -1064,8 +1071,8 @@ def choose_backend(device: torch.device, model: nn.Module | None = None) -> Back
 
     Off the CPU: the exact reference (no GPU backend yet). On the CPU:
     ``fast_backend(model)`` (``amx`` with AMX tiles; with AVX512-BF16 alone, ``amx``
-    from ``AVX512_BF16_MIN_WIDTH`` on and ``cpu`` below; else ``cpu``: measured on
-    each of these CPUs, benchmarks/README.md). Given a model, the pick is first
+    but for mixtures of experts narrower than ``AVX512_BF16_MIN_MOE_WIDTH``; else
+    ``cpu``: measured on each of these CPUs, benchmarks/README.md). Given a model, the pick is first
     checked with ``batch_invariance_failures`` on the model's own shapes; where it
     fails (a BLAS whose kernels depend on the batch in a way not seen here), the
     exact ``reference`` is used instead, with a warning that says why.

@@ -148,12 +148,12 @@ def main() -> int:
     print(f"\nAMX tiles: {amx_available()}, AVX512-BF16: {avx512_bf16_available()}, "
           f"torch kernels: {report['cpu_capability']}, env: {env or '-'}",
           file=sys.stderr)
-    print(f"{'model':<24}{'flow':<6}{'backend':<11}{'rollout s':>10}{'train s':>9}{'step s':>8}{'vs fastest':>11}"
+    print(f"{'model':<24}{'flow':<12}{'backend':<11}{'rollout s':>10}{'train s':>9}{'step s':>8}{'vs fastest':>11}"
           f"{'tmpe':>10}{'peak MB':>9}  auto", file=sys.stderr)
     for r in rows:
         same = [x["time_step_s"] for x in rows if x["model"] == r["model"] and x["flow"] == r["flow"]]
         auto = "<-" if picks[r["model"]] == r["backend"] else ""
-        print(f"{r['model']:<24}{r['flow']:<6}{r['backend']:<11}{r['time_rollout_s']:>10.2f}{r['time_train_s']:>9.2f}"
+        print(f"{r['model']:<24}{r['flow']:<12}{r['backend']:<11}{r['time_rollout_s']:>10.2f}{r['time_train_s']:>9.2f}"
               f"{r['time_step_s']:>8.2f}{r['time_step_s'] / min(same):>11.2f}{r['token_mult_prob_error']:>10.6f}"
               f"{r['peak_mem_bytes'] / 1e6:>9.0f}  {auto}", file=sys.stderr)
     return 0

@@ -140,6 +140,12 @@ def main() -> int:
                     help="run the decoder layers' module forward instead of the rollout layers the engine runs "
                          "(Transformer.rollout_layers: the same bits without the module dispatch)")
     args = ap.parse_args()
+    try:
+        f_rows, f_tokens = (int(n) for n in args.forward.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--forward {args.forward!r}: expected ROWSxTOKENS, e.g. 64x68") from None
+    if f_rows < 1 or f_tokens < 1:
+        raise SystemExit(f"--forward {args.forward!r}: rows and tokens must be at least 1")
     keep_freed_memory()  # as the fp8rl CLI runs (fp8rl/allocator.py); for every engine in this process
     model, _ = load(args.model)
     backend = apply_flow(model, args.flow, args.backend).backend
@@ -147,7 +153,6 @@ def main() -> int:
     cache_len = max(args.cache_len, (args.prompt_len + 3 + args.repeats + 1 + 15) // 16 * 16)
     results = [time_decode(model, int(r), args.prompt_len, cache_len, args.repeats, mode, args.ops, args.module_forward)
                for r in args.rows.split(",") for mode in args.modes.split(",")]
-    f_rows, f_tokens = (int(n) for n in args.forward.lower().split("x"))
     forward = time_forward(model, f_rows, f_tokens, 5)
     prefill = (time_prefill(model, args.prefill, args.prompt_len, cache_len, args.prefill_repeats, args.module_forward)
                if args.prefill else None)

@@ -88,7 +88,7 @@ def test_compiled_block_quantize_and_dequantize_are_the_torch_path_bit_for_bit(r
     g = torch.Generator().manual_seed(37)
     for x in _weights(g):
         for scale in (1e-12, 1.0, 1e20):
-            for block in [(128, 128), (128, 1), (64, 32)]:  # weights, the FP8 wgrad's token blocks, any
+            for block in [(128, 128), (128, 1), (1, 128), (64, 32)]:  # weights, the FP8 wgrad's, dgrad's, any
                 want = quantize(x * scale, block, scale_fmt=scale_fmt, amax_floor=floor, compiled=False)
                 got = quantize(x * scale, block, scale_fmt=scale_fmt, amax_floor=floor)
                 assert got.data.dtype == want.data.dtype and got.block == want.block
@@ -105,8 +105,9 @@ def test_compiled_block_quantize_names_a_non_finite_tensor():
     for bad in (float("nan"), float("inf"), float("-inf")):
         w = torch.ones(256, 200)
         w[130, 150] = bad
-        with pytest.raises(NonFiniteError, match="'layers.3.mlp.up_proj.weight'"):
-            quantize(w, (128, 128), name="layers.3.mlp.up_proj.weight")
+        for block in ((128, 128), (128, 1)):  # the general loop, the column blocks' own
+            with pytest.raises(NonFiniteError, match="'layers.3.mlp.up_proj.weight'"):
+                quantize(w, block, name="layers.3.mlp.up_proj.weight")
 
 
 @pytest.mark.parametrize("rows", [3, 64])  # 64 x 1536: rows shared by the threads, the bad one in the last

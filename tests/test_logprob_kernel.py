@@ -161,6 +161,8 @@ def _isa_outputs() -> dict[str, torch.Tensor]:
     codes, scales = kernels.quantize_blocks(x, 128, 128, True, 1e-12)
     out["quantize_blocks"] = torch.cat([codes.view(torch.uint8).flatten().float(), scales.flatten()])
     out["dequantize_blocks"] = kernels.dequantize_blocks(codes, scales, 128, 128, torch.bfloat16).float()
+    codes, scales = kernels.quantize_blocks(x.T.contiguous(), 128, 1, False, 1e-12)  # the wgrad's token blocks
+    out["quantize_column_blocks"] = torch.cat([codes.view(torch.uint8).flatten().float(), scales.flatten()])
     out["argmax_sum"] = kernels.argmax_sum(x, x.flip(-1)).float()
     return out
 

@@ -7,6 +7,7 @@
    -ffp-contract=off), only vectorization of independent elements. */
 
 #include <stdint.h>
+#include <stdlib.h> /* malloc: quantize_column_blocks's scratch */
 #include <math.h>
 #include <string.h>
 #if defined(__AVX512F__) || defined(__F16C__)
@@ -102,8 +103,60 @@ int fp8rl_qdq_rows(const float *x, int64_t ldx, float *out, int64_t ldo, int64_t
    fp8rl_qdq_rows, and its E4M3 code (the sign of y kept, as the cast keeps it for a
    value that rounds to zero). codes [m, k] (row stride k), scales [ceil(m/bm),
    ceil(k/bk)] row-major. Returns 1 (nothing else defined) if x holds NaN or Inf. */
+/* The E4M3 code of y = x / s rounded: the sign of y (the cast's, also where it rounds to 0),
+   the magnitude of round_e4m3(y) as 4 exponent and 3 mantissa bits (subnormals: |y| / 2**-9). */
+static inline uint8_t rounded_e4m3_code(float y) {
+    const uint32_t yb = f32_bits(y);
+    const uint32_t v = f32_bits(round_e4m3(y)) & 0x7FFFFFFFu; /* |y| on the grid */
+    const uint32_t ve = v >> 23; /* biased exponent; 121 = 2**-6, the smallest normal */
+    const uint32_t mag = v == 0 ? 0
+                         : ve >= 121u ? ((ve - 120u) << 3) | ((v >> 20) & 7u)
+                                      : (uint32_t)(f32_from_bits(v) * 512.0f); /* subnormal: v / 2**-9 */
+    return (uint8_t)(((yb >> 24) & 0x80u) | mag);
+}
+
+/* Column blocks (bk = 1: the FP8 wgrad's blocks of bm tokens of one feature) with the rows
+   outer and the columns inner, so that each pass runs along a row's contiguous values (the
+   block-by-block loop would take one value per row): per column c, amax over the block's
+   rows, then each value divided by its column's scale and encoded. The same operations per
+   value as the general loop, hence the same bits; amax is a max, exact in any order. `amax`
+   is k values of scratch. */
+static int quantize_column_blocks(const float *x, int64_t ldx, int64_t m, int64_t k, int64_t bm,
+                                  float amax_floor, int ue8m0, uint8_t *codes, float *scales, uint32_t *amax) {
+    for (int64_t r0 = 0; r0 < m; r0 += bm) {
+        const int64_t r1 = m - r0 < bm ? m : r0 + bm;
+        float *s = scales + (r0 / bm) * k;
+        memset(amax, 0, (size_t)k * sizeof *amax);
+        for (int64_t r = r0; r < r1; r++) {
+            const float *xr = x + r * ldx;
+            for (int64_t c = 0; c < k; c++) {
+                const uint32_t a = f32_bits(xr[c]) & 0x7FFFFFFFu;
+                amax[c] = a > amax[c] ? a : amax[c];
+            }
+        }
+        for (int64_t c = 0; c < k; c++) {
+            if (amax[c] >= EXPONENT_BITS) return 1;
+            s[c] = block_scale(f32_from_bits(amax[c]), amax_floor, ue8m0);
+        }
+        for (int64_t r = r0; r < r1; r++) {
+            const float *xr = x + r * ldx;
+            uint8_t *cr = codes + r * k;
+            for (int64_t c = 0; c < k; c++) cr[c] = rounded_e4m3_code(xr[c] / s[c]);
+        }
+    }
+    return 0;
+}
+
 int fp8rl_quantize_blocks(const float *x, int64_t ldx, int64_t m, int64_t k, int64_t bm, int64_t bk,
                           float amax_floor, int ue8m0, uint8_t *codes, float *scales) {
+    if (bk == 1 && bm > 1) {
+        uint32_t *amax = malloc((size_t)k * sizeof *amax);
+        if (amax != NULL) {
+            const int bad = quantize_column_blocks(x, ldx, m, k, bm, amax_floor, ue8m0, codes, scales, amax);
+            free(amax);
+            return bad;
+        }
+    }
     const int64_t kb = (k + bk - 1) / bk;
     for (int64_t r0 = 0; r0 < m; r0 += bm) {
         const int64_t rows = m - r0 < bm ? m - r0 : bm;
@@ -117,16 +170,7 @@ int fp8rl_quantize_blocks(const float *x, int64_t ldx, int64_t m, int64_t k, int
             for (int64_t r = r0; r < r0 + rows; r++) {
                 const float *xr = x + r * ldx + c0;
                 uint8_t *cr = codes + r * k + c0;
-                for (int64_t j = 0; j < n; j++) {
-                    const float y = xr[j] / s;
-                    const uint32_t yb = f32_bits(y); /* the sign of y: the cast's, also where it rounds to 0 */
-                    const uint32_t v = f32_bits(round_e4m3(y)) & 0x7FFFFFFFu; /* |y| on the grid */
-                    const uint32_t ve = v >> 23; /* biased exponent; 121 = 2**-6, the smallest normal */
-                    const uint32_t mag = v == 0 ? 0
-                                         : ve >= 121u ? ((ve - 120u) << 3) | ((v >> 20) & 7u)
-                                                      : (uint32_t)(f32_from_bits(v) * 512.0f); /* subnormal: v / 2**-9 */
-                    cr[j] = (uint8_t)(((yb >> 24) & 0x80u) | mag);
-                }
+                for (int64_t j = 0; j < n; j++) cr[j] = rounded_e4m3_code(xr[j] / s);
             }
         }
     }

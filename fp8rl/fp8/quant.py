@@ -132,9 +132,10 @@ def quantize(
 
     ``name`` names the tensor in the error raised when ``x`` holds NaN or Inf
     (a non-finite value would otherwise poison its block's scale silently);
-    ``amax_floor`` is the smallest amax a block is scaled for. A 2-D E4M3 weight
-    (``bm > 1``) on the CPU takes the compiled kernel where it is available, with
-    ``compiled`` (``kernels.quantize_blocks``: the same operations, the same bits);
+    ``amax_floor`` is the smallest amax a block is scaled for. A 2-D E4M3 tensor
+    on the CPU (a weight, the FP8 backward's gradients and inputs) takes the compiled
+    kernel where it is available, with ``compiled`` (``kernels.quantize_blocks``: the
+    same operations, the same bits);
     the torch code below is what runs elsewhere and what it is tested against.
     Returns a QTensor with ``data`` ``[..., M, K]`` and ``scale``
     ``[..., ceil(M/bm), ceil(K/bk)]``.
@@ -149,7 +150,7 @@ def quantize(
         raise ValueError(f"quantize needs a float32/bf16/fp16/fp64 tensor, {name!r} is {x.dtype}")
 
     *lead, m, k = x.shape
-    if bm > 1 and fmt == "e4m3" and compiled:  # a weight: one compiled pass where available
+    if fmt == "e4m3" and compiled:  # one compiled pass where available (2-D CPU tensors)
         try:
             made = kernels.quantize_blocks(x, bm, bk, scale_fmt == "ue8m0", amax_floor)
         except ValueError:

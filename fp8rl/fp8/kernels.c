@@ -96,13 +96,6 @@ int fp8rl_qdq_rows(const float *x, int64_t ldx, float *out, int64_t ldo, int64_t
     return bad;
 }
 
-/* quant.py's quantize of an FP32 matrix x [m, k] (row stride ldx) into E4M3 blocks of
-   bm x bk (the last row and column blocks may be partial): per block, amax = max |x|
-   (over IEEE bits, NaN above Inf), s = max(amax, amax_floor) / 448 (ue8m0: rounded up
-   to a power of two), y = clamp(x / s, -448, 448) rounded to the E4M3 grid as in
-   fp8rl_qdq_rows, and its E4M3 code (the sign of y kept, as the cast keeps it for a
-   value that rounds to zero). codes [m, k] (row stride k), scales [ceil(m/bm),
-   ceil(k/bk)] row-major. Returns 1 (nothing else defined) if x holds NaN or Inf. */
 /* The E4M3 code of y = x / s rounded: the sign of y (the cast's, also where it rounds to 0),
    the magnitude of round_e4m3(y) as 4 exponent and 3 mantissa bits (subnormals: |y| / 2**-9). */
 static inline uint8_t rounded_e4m3_code(float y) {
@@ -147,6 +140,14 @@ static int quantize_column_blocks(const float *x, int64_t ldx, int64_t m, int64_
     return 0;
 }
 
+/* quant.py's quantize of an FP32 matrix x [m, k] (row stride ldx) into E4M3 blocks of
+   bm x bk (the last row and column blocks may be partial): per block, amax = max |x|
+   (over IEEE bits, NaN above Inf), s = max(amax, amax_floor) / 448 (ue8m0: rounded up
+   to a power of two), y = clamp(x / s, -448, 448) rounded to the E4M3 grid as in
+   fp8rl_qdq_rows, and its E4M3 code (the sign of y kept, as the cast keeps it for a
+   value that rounds to zero). codes [m, k] (row stride k), scales [ceil(m/bm),
+   ceil(k/bk)] row-major. Returns 1 (nothing else defined) if x holds NaN or Inf. Column
+   blocks (bk = 1) go through quantize_column_blocks: the same bits in row order. */
 int fp8rl_quantize_blocks(const float *x, int64_t ldx, int64_t m, int64_t k, int64_t bm, int64_t bk,
                           float amax_floor, int ue8m0, uint8_t *codes, float *scales) {
     if (bk == 1 && bm > 1) {

@@ -18,7 +18,7 @@ jet flows; the first step is a warm-up, the next ones are timed.
 half as many KV heads) with seeded random weights and tiny-arith's tokenizer, run on
 the default run's batch: the model sizes between the tiny policy and SmolLM2, to see
 at which width a backend overtakes another on this CPU. `moe-width-N` is tiny-moe's
-(4 experts, top 2) at hidden and expert width N. Its answers are random
+(4 experts, top 2) at hidden and expert width N. Their answers are random
 tokens that run to the 48-token budget, so compare its rows with each other only.
 
 Run it on each kind of CPU, or let oneDNN / MKL / torch take another CPU's code

@@ -10,10 +10,11 @@ element's weight, gradient and moments are read once and written once.
 
 The bits: each operation is the one torch's kernel makes, rounded once in FP32
 (the lerp's and the addcmul's fused multiply-adds included), except the square
-root, which here is correctly rounded, where torch's vectorized one is off by one
-ulp for a rare input; so a weight can differ from torch's AdamW in its last bit
-(tests/test_optim.py measures how often and checks every other bit against a
-torch emulation of the same operations). Each element takes the same operations
+root, which here is correctly rounded, where torch's (MKL's vsSqrt) is one ulp off
+for some inputs, how many depending on the CPU (rarely on a Xeon with AMX, 17% on a
+Zen 4 EPYC); so a weight can differ from torch's AdamW in its last bits
+(tests/test_optim.py checks every bit against exact arithmetic, and torch's AdamW
+against the same operations with torch's square root). Each element takes the same operations
 wherever it sits, so an FSDP2 shard steps exactly as the whole tensor would:
 the data-parallel trainer and one process train the same bits (torch's fused
 AdamW does not, docs/design.md section 9).

@@ -96,16 +96,22 @@ int fp8rl_qdq_rows(const float *x, int64_t ldx, float *out, int64_t ldo, int64_t
     return bad;
 }
 
-/* The E4M3 code of y = x / s rounded: the sign of y (the cast's, also where it rounds to 0),
-   the magnitude of round_e4m3(y) as 4 exponent and 3 mantissa bits (subnormals: |y| / 2**-9). */
-static inline uint8_t rounded_e4m3_code(float y) {
-    const uint32_t yb = f32_bits(y);
-    const uint32_t v = f32_bits(round_e4m3(y)) & 0x7FFFFFFFu; /* |y| on the grid */
-    const uint32_t ve = v >> 23; /* biased exponent; 121 = 2**-6, the smallest normal */
-    const uint32_t mag = v == 0 ? 0
-                         : ve >= 121u ? ((ve - 120u) << 3) | ((v >> 20) & 7u)
-                                      : (uint32_t)(f32_from_bits(v) * 512.0f); /* subnormal: v / 2**-9 */
-    return (uint8_t)(((yb >> 24) & 0x80u) | mag);
+/* quant.e4m3_values of one FP32 value at scale s: clamp(x / s, -448, 448) on the E4M3 grid
+   (round_e4m3), with the sign of x (a negative value that rounds to zero keeps its sign). */
+static inline float e4m3_value(float x, float s) {
+    const uint32_t mag = f32_bits(round_e4m3(x / s)) & 0x7FFFFFFFu; /* round_e4m3 clamps first */
+    return f32_from_bits(mag | (f32_bits(x) & 0x80000000u));
+}
+
+/* The E4M3 code (torch.float8_e4m3fn's byte) of y: a value on the E4M3 grid (|y| <= 448, as
+   e4m3_value gives) or NaN. Normal values (from 2**-6) move their FP32 exponent and top three
+   mantissa bits into the code's fields; subnormal ones are m * 2**-9, m = y * 512 exactly. */
+static inline uint8_t e4m3_code(float y) {
+    const uint32_t u = f32_bits(y), mag = u & 0x7FFFFFFFu;
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
+    if (mag > 0x7F800000u) return sign | 0x7Fu;
+    if (mag < (121u << 23)) return sign | (uint8_t)(f32_from_bits(mag) * 512.0f);
+    return sign | (uint8_t)((((mag >> 23) - 120u) << 3) | ((mag >> 20) & 7u));
 }
 
 /* Column blocks (bk = 1: the FP8 wgrad's blocks of bm tokens of one feature) with the rows
@@ -134,7 +140,7 @@ static int quantize_column_blocks(const float *x, int64_t ldx, int64_t m, int64_
         for (int64_t r = r0; r < r1; r++) {
             const float *xr = x + r * ldx;
             uint8_t *cr = codes + r * k;
-            for (int64_t c = 0; c < k; c++) cr[c] = rounded_e4m3_code(xr[c] / s[c]);
+            for (int64_t c = 0; c < k; c++) cr[c] = e4m3_code(e4m3_value(xr[c], s[c]));
         }
     }
     return 0;
@@ -171,7 +177,7 @@ int fp8rl_quantize_blocks(const float *x, int64_t ldx, int64_t m, int64_t k, int
             for (int64_t r = r0; r < r0 + rows; r++) {
                 const float *xr = x + r * ldx + c0;
                 uint8_t *cr = codes + r * k + c0;
-                for (int64_t j = 0; j < n; j++) cr[j] = rounded_e4m3_code(xr[j] / s);
+                for (int64_t j = 0; j < n; j++) cr[j] = e4m3_code(e4m3_value(xr[j], s));
             }
         }
     }
@@ -546,24 +552,6 @@ void fp8rl_attention(const float *q, const void *kt, const void *v, int kind, co
    cos, sin_rot FP32 [B * T, D]; q_out FP32 [B, H, T, D];
    kt        keys transposed [B, Hkv, D, *] (strides kt_b, kt_h, kt_d), vc values [B, Hkv, *, D]
              (strides v_b, v_h, v_l), in elements of the stored format (2 bytes or 1). */
-
-/* quant.e4m3_values of one FP32 value at scale s: clamp(x / s, -448, 448) on the E4M3 grid
-   (round_e4m3), with the sign of x (a negative value that rounds to zero keeps its sign). */
-static inline float e4m3_value(float x, float s) {
-    const uint32_t mag = f32_bits(round_e4m3(x / s)) & 0x7FFFFFFFu; /* round_e4m3 clamps first */
-    return f32_from_bits(mag | (f32_bits(x) & 0x80000000u));
-}
-
-/* The E4M3 code (torch.float8_e4m3fn's byte) of y: a value on the E4M3 grid (|y| <= 448, as
-   e4m3_value gives) or NaN. Normal values (from 2**-6) move their FP32 exponent and top three
-   mantissa bits into the code's fields; subnormal ones are m * 2**-9, m = y * 512 exactly. */
-static inline uint8_t e4m3_code(float y) {
-    const uint32_t u = f32_bits(y), mag = u & 0x7FFFFFFFu;
-    const uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
-    if (mag > 0x7F800000u) return sign | 0x7Fu;
-    if (mag < (121u << 23)) return sign | (uint8_t)(f32_from_bits(mag) * 512.0f);
-    return sign | (uint8_t)((((mag >> 23) - 120u) << 3) | ((mag >> 20) & 7u));
-}
 
 static inline void rope_row(const float *x, const float *c, const float *s, int64_t D, float *y) {
     const int64_t half = D / 2;

@@ -153,6 +153,21 @@ def test_fp8_gemms_are_the_block_recipe():
     assert not torch.equal(dw, reuse)
 
 
+def test_amx_fp8_backward_multiplies_the_dequantized_codes():
+    """On `amx` the FP8 backward's gradient and input reach the BF16 GEMM as one compiled
+    pass each (`Backend.grad_operand`): the bits of quantizing, dequantizing and rounding
+    them to BF16 (the QTensor path of `fp8_matmul`), signs of zero included."""
+    _, layer, x, dy = setup("jet-e2e")
+    layer.plan = resolve_plan(PRESETS["jet-e2e"], "amx").linear["train"]
+    with torch.no_grad():
+        dy.view(-1)[:3] = torch.tensor([-0.0, -1e-30, 1e-30])  # values that quantize to signed zeros
+    _, dx, dw, _ = run(layer, x, dy)
+    x2, dy2 = x.detach().reshape(-1, K), dy.reshape(-1, N)
+    want_dx = fp8_matmul(quantize(dy2), layer.qweight.t(), backend="amx", invariant=False)
+    want_dw = fp8_matmul(quantize(dy2, (128, 1)).t(), quantize(x2, (128, 1)).t(), backend="amx", invariant=False)
+    assert torch.equal(dx.reshape(-1, K), want_dx) and torch.equal(dw, want_dw)
+
+
 def test_fp8_grad_transport_is_exactly_fp8_representable():
     _, layer, x, dy = setup("fp8-grads")
     _, dx, _, _ = run(layer, x, dy)

@@ -52,7 +52,9 @@ import torch
 import torch.nn as nn
 
 from fp8rl.fp8.formats import AMAX_FLOOR
-from fp8rl.fp8.quant import DerivedCache, QTensor, dequantize, fp8_to_float, quantize, quantize_dequantize
+from fp8rl.fp8.quant import (
+    DerivedCache, QTensor, dequantize, fp8_to_float, quantize, quantize_dequantize, quantize_dequantize_bf16,
+)
 
 # --- shared pieces ---------------------------------------------------------------------
 
@@ -637,6 +639,14 @@ class Backend:
         weight-like operand whose converted forms may be kept in ``b.cache``."""
         raise NotImplementedError
 
+    def grad_operand(self, x: torch.Tensor, block: tuple[int, int], scale_fmt: str, name: str) -> QTensor | torch.Tensor:
+        """An FP8 backward GEMM's operand ``x [M, K]`` (a gradient or a saved input, high
+        precision) quantized to E4M3 ``block``s, in the form this backend's ``fp8_matmul``
+        (``invariant=False``) multiplies; ``.t()`` transposes either form. Default: the
+        QTensor of ``quantize``; a backend that multiplies BF16 values returns them
+        (``quantize_dequantize_bf16``: the same numbers in one pass)."""
+        return quantize(x, block, scale_fmt=scale_fmt, name=name)
+
     def linear_input(
         self, x: torch.Tensor, bk: int, scale_fmt: str, name: str, amax_floor: float = AMAX_FLOOR
     ) -> QTensor | torch.Tensor:
@@ -874,8 +884,20 @@ class AMXBackend(Backend):
     fused_attention = True
     fused_pointwise = True
 
-    def fp8_matmul(self, a: QTensor, b: QTensor, out_dtype: torch.dtype, invariant: bool = True) -> torch.Tensor:
-        return _native_rows(dequantize(a), self._bf16_form(b), invariant, b.cache).to(out_dtype)
+    def fp8_matmul(
+        self, a: QTensor | torch.Tensor, b: QTensor | torch.Tensor, out_dtype: torch.dtype, invariant: bool = True
+    ) -> torch.Tensor:
+        """A QTensor operand dequantized to BF16; a BF16 one (``grad_operand``'s) as it is,
+        in the row-major layout the dequantization would have (the same GEMM call)."""
+        a = a.contiguous() if isinstance(a, torch.Tensor) else dequantize(a, torch.bfloat16)
+        if isinstance(b, torch.Tensor):
+            return _native_rows(a, b, invariant, {}).to(out_dtype)
+        return _native_rows(a, self._bf16_form(b), invariant, b.cache).to(out_dtype)
+
+    def grad_operand(self, x: torch.Tensor, block: tuple[int, int], scale_fmt: str, name: str) -> torch.Tensor:
+        """``quantize_dequantize_bf16``: what ``fp8_matmul`` multiplies, in one pass
+        instead of quantize, dequantize and the BF16 rounding."""
+        return quantize_dequantize_bf16(x, block, scale_fmt, name)
 
     def linear_input(
         self, x: torch.Tensor, bk: int, scale_fmt: str, name: str, amax_floor: float = AMAX_FLOOR

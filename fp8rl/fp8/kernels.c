@@ -114,6 +114,15 @@ static inline uint8_t e4m3_code(float y) {
     return sign | (uint8_t)((((mag >> 23) - 120u) << 3) | ((mag >> 20) & 7u));
 }
 
+/* One quantized value stored: its E4M3 code (values == NULL), or its dequantization
+   value * s rounded to BF16 as bits (what dequantize(..., bf16) makes of that code: the
+   code's value is e4m3_value's, sign of zero included). */
+static inline void store_e4m3(uint8_t *codes, uint16_t *values, int64_t i, float x, float s) {
+    const float y = e4m3_value(x, s);
+    if (values != NULL) values[i] = bf16_bits(y * s);
+    else codes[i] = e4m3_code(y);
+}
+
 /* Column blocks (bk = 1: the FP8 wgrad's blocks of bm tokens of one feature) with the rows
    outer and the columns inner, so that each pass runs along a row's contiguous values (the
    block-by-block loop would take one value per row): per column c, amax over the block's
@@ -121,7 +130,8 @@ static inline uint8_t e4m3_code(float y) {
    value as the general loop, hence the same bits; amax is a max, exact in any order. `amax`
    is k values of scratch. */
 static int quantize_column_blocks(const float *x, int64_t ldx, int64_t m, int64_t k, int64_t bm,
-                                  float amax_floor, int ue8m0, uint8_t *codes, float *scales, uint32_t *amax) {
+                                  float amax_floor, int ue8m0, uint8_t *codes, uint16_t *values, float *scales,
+                                  uint32_t *amax) {
     for (int64_t r0 = 0; r0 < m; r0 += bm) {
         const int64_t r1 = m - r0 < bm ? m : r0 + bm;
         float *s = scales + (r0 / bm) * k;
@@ -139,8 +149,7 @@ static int quantize_column_blocks(const float *x, int64_t ldx, int64_t m, int64_
         }
         for (int64_t r = r0; r < r1; r++) {
             const float *xr = x + r * ldx;
-            uint8_t *cr = codes + r * k;
-            for (int64_t c = 0; c < k; c++) cr[c] = e4m3_code(e4m3_value(xr[c], s[c]));
+            for (int64_t c = 0; c < k; c++) store_e4m3(codes, values, r * k + c, xr[c], s[c]);
         }
     }
     return 0;
@@ -152,14 +161,17 @@ static int quantize_column_blocks(const float *x, int64_t ldx, int64_t m, int64_
    to a power of two), y = clamp(x / s, -448, 448) rounded to the E4M3 grid as in
    fp8rl_qdq_rows, and its E4M3 code (the sign of y kept, as the cast keeps it for a
    value that rounds to zero). codes [m, k] (row stride k), scales [ceil(m/bm),
-   ceil(k/bk)] row-major. Returns 1 (nothing else defined) if x holds NaN or Inf. Column
-   blocks (bk = 1) go through quantize_column_blocks: the same bits in row order. */
+   ceil(k/bk)] row-major. With values != NULL it writes, instead of the codes, their
+   dequantization rounded to BF16 (values [m, k], row stride k, as uint16 bits): the FP8
+   backward's operands on a BF16 GEMM, in one pass instead of quantize, dequantize and
+   convert. Returns 1 (nothing else defined) if x holds NaN or Inf. Column blocks
+   (bk = 1) go through quantize_column_blocks: the same bits in row order. */
 int fp8rl_quantize_blocks(const float *x, int64_t ldx, int64_t m, int64_t k, int64_t bm, int64_t bk,
-                          float amax_floor, int ue8m0, uint8_t *codes, float *scales) {
+                          float amax_floor, int ue8m0, uint8_t *codes, uint16_t *values, float *scales) {
     if (bk == 1 && bm > 1) {
         uint32_t *amax = malloc((size_t)k * sizeof *amax);
         if (amax != NULL) {
-            const int bad = quantize_column_blocks(x, ldx, m, k, bm, amax_floor, ue8m0, codes, scales, amax);
+            const int bad = quantize_column_blocks(x, ldx, m, k, bm, amax_floor, ue8m0, codes, values, scales, amax);
             free(amax);
             return bad;
         }
@@ -176,8 +188,7 @@ int fp8rl_quantize_blocks(const float *x, int64_t ldx, int64_t m, int64_t k, int
             scales[(r0 / bm) * kb + c0 / bk] = s;
             for (int64_t r = r0; r < r0 + rows; r++) {
                 const float *xr = x + r * ldx + c0;
-                uint8_t *cr = codes + r * k + c0;
-                for (int64_t j = 0; j < n; j++) cr[j] = e4m3_code(e4m3_value(xr[j], s));
+                for (int64_t j = 0; j < n; j++) store_e4m3(codes, values, r * k + c0 + j, xr[j], s);
             }
         }
     }

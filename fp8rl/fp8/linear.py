@@ -167,7 +167,7 @@ class _FP8LinearFn(torch.autograd.Function):
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             if plan.dgrad == "fp8":
-                qdy = quantize(dy2, (1, 128), scale_fmt=fmt, name=f"{call.name} grad_output")
+                qdy = backend.grad_operand(dy2, (1, 128), fmt, f"{call.name} grad_output")
                 dx = backend.fp8_matmul(qdy, call.qweight.t(), torch.float32, invariant=False)  # [T, N] . [K, N]^T
             else:
                 dx = backend.bf16_matmul(dy_bf16, call.weight_bf16.T, call.bf16_caches[1], invariant=False)
@@ -182,8 +182,8 @@ class _FP8LinearFn(torch.autograd.Function):
             if plan.wgrad == "fp8":
                 # Blocks of 128 tokens: (128, 1) on [T, N] and [T, K], i.e. 1x128
                 # rows of their transposes, from the high-precision tensors.
-                qdy_t = quantize(dy2, (128, 1), scale_fmt=fmt, name=f"{call.name} grad_output").t()
-                qx_t = quantize(x2, (128, 1), scale_fmt=fmt, name=f"{call.name} input").t()
+                qdy_t = backend.grad_operand(dy2, (128, 1), fmt, f"{call.name} grad_output").t()
+                qx_t = backend.grad_operand(x2, (128, 1), fmt, f"{call.name} input").t()
                 dw = backend.fp8_matmul(qdy_t, qx_t, torch.float32, invariant=False)  # [N, T] . [K, T]^T
             else:
                 dw = backend.bf16_matmul(dy_bf16.T, x2.T, {}, invariant=False)

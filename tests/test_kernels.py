@@ -13,7 +13,7 @@ import torch
 
 from fp8rl.fp8 import kernels
 from fp8rl.fp8.formats import AMAX_FLOORS
-from fp8rl.fp8.quant import NonFiniteError, dequantize, quantize, quantize_dequantize, quantize_dequantize_bf16
+from fp8rl.fp8.quant import NonFiniteError, dequantize, quantize, quantize_dequantize, quantize_dequantize_blocks
 
 
 @pytest.fixture
@@ -94,9 +94,10 @@ def test_compiled_block_quantize_and_dequantize_are_the_torch_path_bit_for_bit(r
                 assert got.data.dtype == want.data.dtype and got.block == want.block
                 assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8)), (tuple(x.shape), block)
                 assert torch.equal(got.scale, want.scale)
-                # the FP8 backward's BF16 operands on `amx`: the dequantized codes in one pass
-                fused = quantize_dequantize_bf16(x * scale, block, scale_fmt, amax_floor=floor)
-                assert torch.equal(fused.view(torch.int16), dequantize(want, torch.bfloat16, compiled=False).view(torch.int16))
+                # the FP8 backward's operands on `cpu` (FP32) and `amx` (BF16): the dequantized codes in one pass
+                for dtype, bits in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16)):
+                    fused = quantize_dequantize_blocks(x * scale, block, dtype, scale_fmt, amax_floor=floor)
+                    assert torch.equal(fused.view(bits), dequantize(want, dtype, compiled=False).view(bits)), (block, dtype)
                 for q in (want, want.t()):  # the dgrad reads the transposed weight
                     for dtype, bits in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16)):
                         fast, slow = dequantize(q, dtype), dequantize(q, dtype, compiled=False)
@@ -112,7 +113,7 @@ def test_compiled_block_quantize_names_a_non_finite_tensor():
             with pytest.raises(NonFiniteError, match="'layers.3.mlp.up_proj.weight'"):
                 quantize(w, block, name="layers.3.mlp.up_proj.weight")
             with pytest.raises(NonFiniteError, match="'layers.3.mlp.up_proj input'"):
-                quantize_dequantize_bf16(w, block, name="layers.3.mlp.up_proj input")
+                quantize_dequantize_blocks(w, block, name="layers.3.mlp.up_proj input")
 
 
 @pytest.mark.parametrize("rows", [3, 64])  # 64 x 1536: rows shared by the threads, the bad one in the last

@@ -163,9 +163,10 @@ def _isa_outputs() -> dict[str, torch.Tensor]:
     out["dequantize_blocks"] = kernels.dequantize_blocks(codes, scales, 128, 128, torch.bfloat16).float()
     codes, scales = kernels.quantize_blocks(x.T.contiguous(), 128, 1, False, 1e-12)  # the wgrad's token blocks
     out["quantize_column_blocks"] = torch.cat([codes.view(torch.uint8).flatten().float(), scales.flatten()])
-    for block in ((1, 128), (128, 1)):  # the FP8 backward's BF16 operands on `amx`
-        values, _ = kernels.quantize_blocks(x.T.contiguous(), *block, False, 1e-12, dequantized=True)
-        out[f"dequantized_blocks_{block}"] = values.float()
+    for block in ((1, 128), (128, 1)):  # the FP8 backward's operands on `cpu` (FP32) and `amx` (BF16)
+        for dtype in (torch.float32, torch.bfloat16):
+            values, _ = kernels.quantize_blocks(x.T.contiguous(), *block, False, 1e-12, dequantized=dtype)
+            out[f"dequantized_blocks_{block}_{dtype}"] = values.float()
     out["argmax_sum"] = kernels.argmax_sum(x, x.flip(-1)).float()
     return out
 

@@ -53,7 +53,7 @@ import torch.nn as nn
 
 from fp8rl.fp8.formats import AMAX_FLOOR
 from fp8rl.fp8.quant import (
-    DerivedCache, QTensor, dequantize, fp8_to_float, quantize, quantize_dequantize, quantize_dequantize_bf16,
+    DerivedCache, QTensor, dequantize, fp8_to_float, quantize, quantize_dequantize, quantize_dequantize_blocks,
 )
 
 # --- shared pieces ---------------------------------------------------------------------
@@ -643,8 +643,8 @@ class Backend:
         """An FP8 backward GEMM's operand ``x [M, K]`` (a gradient or a saved input, high
         precision) quantized to E4M3 ``block``s, in the form this backend's ``fp8_matmul``
         (``invariant=False``) multiplies; ``.t()`` transposes either form. Default: the
-        QTensor of ``quantize``; a backend that multiplies BF16 values returns them
-        (``quantize_dequantize_bf16``: the same numbers in one pass)."""
+        QTensor of ``quantize``; a backend that multiplies dequantized values returns them
+        (``quantize_dequantize_blocks``: the same numbers in one pass)."""
         return quantize(x, block, scale_fmt=scale_fmt, name=name)
 
     def linear_input(
@@ -816,13 +816,26 @@ class CPUBackend(Backend):
     fused_attention = True
     fused_pointwise = True
 
-    def fp8_matmul(self, a: QTensor, b: QTensor, out_dtype: torch.dtype, invariant: bool = True) -> torch.Tensor:
-        bk = a.block[1]
+    def fp8_matmul(
+        self, a: QTensor | torch.Tensor, b: QTensor | torch.Tensor, out_dtype: torch.dtype, invariant: bool = True
+    ) -> torch.Tensor:
+        """A backward GEMM (``invariant=False``) also takes ``grad_operand``'s FP32 values
+        for a QTensor: the same numbers in the same layout, hence the same call."""
         if not invariant:  # a backward GEMM: the same scaled operands, one full-K call
-            if "cpu_full" not in b.cache:  # the dgrad's weight: once per quantization
-                b.cache["cpu_full"] = _block_scaled(fp8_to_float(b.data), _row_scales(b), bk)
-            return _full_k(_block_scaled(fp8_to_float(a.data), _row_scales(a), bk), b.cache["cpu_full"]).to(out_dtype)
+            if isinstance(a, QTensor):
+                a = _block_scaled(fp8_to_float(a.data), _row_scales(a), a.block[1])
+            if isinstance(b, QTensor):
+                if "cpu_full" not in b.cache:  # the dgrad's weight: once per quantization
+                    b.cache["cpu_full"] = _block_scaled(fp8_to_float(b.data), _row_scales(b), b.block[1])
+                b = b.cache["cpu_full"]
+            return _full_k(a, b).to(out_dtype)
+        bk = a.block[1]
         return _accumulate_k_blocks(fp8_to_float(a.data), self._weight_blocks(b), bk, _row_scales(a)).to(out_dtype)
+
+    def grad_operand(self, x: torch.Tensor, block: tuple[int, int], scale_fmt: str, name: str) -> torch.Tensor:
+        """The FP32 values ``fp8_matmul`` multiplies (``quantize_dequantize_blocks``), in one
+        pass instead of quantize and the scaling of the codes' values."""
+        return quantize_dequantize_blocks(x, block, torch.float32, scale_fmt, name)
 
     def linear_input(
         self, x: torch.Tensor, bk: int, scale_fmt: str, name: str, amax_floor: float = AMAX_FLOOR
@@ -895,9 +908,9 @@ class AMXBackend(Backend):
         return _native_rows(a, self._bf16_form(b), invariant, b.cache).to(out_dtype)
 
     def grad_operand(self, x: torch.Tensor, block: tuple[int, int], scale_fmt: str, name: str) -> torch.Tensor:
-        """``quantize_dequantize_bf16``: what ``fp8_matmul`` multiplies, in one pass
-        instead of quantize, dequantize and the BF16 rounding."""
-        return quantize_dequantize_bf16(x, block, scale_fmt, name)
+        """The BF16 values ``fp8_matmul`` multiplies (``quantize_dequantize_blocks``), in
+        one pass instead of quantize, dequantize and the BF16 rounding."""
+        return quantize_dequantize_blocks(x, block, torch.bfloat16, scale_fmt, name)
 
     def linear_input(
         self, x: torch.Tensor, bk: int, scale_fmt: str, name: str, amax_floor: float = AMAX_FLOOR

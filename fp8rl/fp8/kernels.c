@@ -115,12 +115,13 @@ static inline uint8_t e4m3_code(float y) {
 }
 
 /* One quantized value stored: its E4M3 code (values == NULL), or its dequantization
-   value * s rounded to BF16 as bits (what dequantize(..., bf16) makes of that code: the
-   code's value is e4m3_value's, sign of zero included). */
-static inline void store_e4m3(uint8_t *codes, uint16_t *values, int64_t i, float x, float s) {
+   value * s as FP32 (bf16 == 0) or rounded to BF16 bits (bf16 == 1): what dequantize makes
+   of that code (the code's value is e4m3_value's, sign of zero included). */
+static inline void store_e4m3(uint8_t *codes, void *values, int bf16, int64_t i, float x, float s) {
     const float y = e4m3_value(x, s);
-    if (values != NULL) values[i] = bf16_bits(y * s);
-    else codes[i] = e4m3_code(y);
+    if (values == NULL) codes[i] = e4m3_code(y);
+    else if (bf16) ((uint16_t *)values)[i] = bf16_bits(y * s);
+    else ((float *)values)[i] = y * s;
 }
 
 /* Column blocks (bk = 1: the FP8 wgrad's blocks of bm tokens of one feature) with the rows
@@ -130,8 +131,8 @@ static inline void store_e4m3(uint8_t *codes, uint16_t *values, int64_t i, float
    value as the general loop, hence the same bits; amax is a max, exact in any order. `amax`
    is k values of scratch. */
 static int quantize_column_blocks(const float *x, int64_t ldx, int64_t m, int64_t k, int64_t bm,
-                                  float amax_floor, int ue8m0, uint8_t *codes, uint16_t *values, float *scales,
-                                  uint32_t *amax) {
+                                  float amax_floor, int ue8m0, uint8_t *codes, void *values, int bf16,
+                                  float *scales, uint32_t *amax) {
     for (int64_t r0 = 0; r0 < m; r0 += bm) {
         const int64_t r1 = m - r0 < bm ? m : r0 + bm;
         float *s = scales + (r0 / bm) * k;
@@ -149,7 +150,7 @@ static int quantize_column_blocks(const float *x, int64_t ldx, int64_t m, int64_
         }
         for (int64_t r = r0; r < r1; r++) {
             const float *xr = x + r * ldx;
-            for (int64_t c = 0; c < k; c++) store_e4m3(codes, values, r * k + c, xr[c], s[c]);
+            for (int64_t c = 0; c < k; c++) store_e4m3(codes, values, bf16, r * k + c, xr[c], s[c]);
         }
     }
     return 0;
@@ -162,16 +163,16 @@ static int quantize_column_blocks(const float *x, int64_t ldx, int64_t m, int64_
    fp8rl_qdq_rows, and its E4M3 code (the sign of y kept, as the cast keeps it for a
    value that rounds to zero). codes [m, k] (row stride k), scales [ceil(m/bm),
    ceil(k/bk)] row-major. With values != NULL it writes, instead of the codes, their
-   dequantization rounded to BF16 (values [m, k], row stride k, as uint16 bits): the FP8
-   backward's operands on a BF16 GEMM, in one pass instead of quantize, dequantize and
-   convert. Returns 1 (nothing else defined) if x holds NaN or Inf. Column blocks
+   dequantization (values [m, k], row stride k): FP32, or rounded to BF16 as uint16 bits
+   (bf16 == 1): the FP8 backward's GEMM operands, in one pass instead of quantize and
+   dequantize (and convert). Returns 1 (nothing else defined) if x holds NaN or Inf. Column blocks
    (bk = 1) go through quantize_column_blocks: the same bits in row order. */
 int fp8rl_quantize_blocks(const float *x, int64_t ldx, int64_t m, int64_t k, int64_t bm, int64_t bk,
-                          float amax_floor, int ue8m0, uint8_t *codes, uint16_t *values, float *scales) {
+                          float amax_floor, int ue8m0, uint8_t *codes, void *values, int bf16, float *scales) {
     if (bk == 1 && bm > 1) {
         uint32_t *amax = malloc((size_t)k * sizeof *amax);
         if (amax != NULL) {
-            const int bad = quantize_column_blocks(x, ldx, m, k, bm, amax_floor, ue8m0, codes, values, scales, amax);
+            const int bad = quantize_column_blocks(x, ldx, m, k, bm, amax_floor, ue8m0, codes, values, bf16, scales, amax);
             free(amax);
             return bad;
         }
@@ -188,7 +189,7 @@ int fp8rl_quantize_blocks(const float *x, int64_t ldx, int64_t m, int64_t k, int
             scales[(r0 / bm) * kb + c0 / bk] = s;
             for (int64_t r = r0; r < r0 + rows; r++) {
                 const float *xr = x + r * ldx + c0;
-                for (int64_t j = 0; j < n; j++) store_e4m3(codes, values, r * k + c0 + j, xr[j], s);
+                for (int64_t j = 0; j < n; j++) store_e4m3(codes, values, bf16, r * k + c0 + j, xr[j], s);
             }
         }
     }

@@ -136,7 +136,8 @@ def library() -> ctypes.CDLL | None:
     lib.fp8rl_qdq_rows.restype = ctypes.c_int
     lib.fp8rl_qdq_rows.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
     lib.fp8rl_quantize_blocks.restype = ctypes.c_int
-    lib.fp8rl_quantize_blocks.argtypes = [ptr, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int, ptr, ptr, ptr]
+    lib.fp8rl_quantize_blocks.argtypes = [
+        ptr, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int, ptr, ptr, ctypes.c_int, ptr]
     lib.fp8rl_dequantize_blocks.restype = None
     lib.fp8rl_dequantize_blocks.argtypes = [ptr, ptr, i64, i64, i64, i64, ctypes.c_int, ptr]
     lib.fp8rl_attention.restype = None
@@ -299,16 +300,16 @@ def qdq_rows(x: torch.Tensor, bk: int, ue8m0: bool, amax_floor: float) -> torch.
 
 
 def quantize_blocks(
-    x: torch.Tensor, bm: int, bk: int, ue8m0: bool, amax_floor: float, dequantized: bool = False
+    x: torch.Tensor, bm: int, bk: int, ue8m0: bool, amax_floor: float, dequantized: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``quant.quantize`` of a 2-D CPU tensor ``x [M, K]`` into E4M3 ``bm x bk`` blocks by
     ``fp8rl_quantize_blocks``: (codes ``float8_e4m3fn [M, K]``, FP32 scales ``[ceil(M/bm),
-    ceil(K/bk)]``), the torch code's bits; with ``dequantized``, BF16 ``[M, K]`` in place of
-    the codes: their ``quant.dequantize`` to BF16, bit for bit (signs of zero included). None
-    (the caller runs its torch code) off the CPU, for an empty or non-2-D tensor, or
-    without the kernels. Raises ValueError if ``x`` holds NaN or Inf (the caller names
-    the tensor)."""
-    if x.device != CPU or x.dim() != 2 or x.numel() == 0:
+    ceil(K/bk)]``), the torch code's bits; with ``dequantized`` (FP32 or BF16), that dtype's
+    ``[M, K]`` in place of the codes: their ``quant.dequantize``, bit for bit (signs of zero
+    included). None (the caller runs its torch code) off the CPU, for an empty or non-2-D
+    tensor, another ``dequantized`` dtype, or without the kernels. Raises ValueError if ``x``
+    holds NaN or Inf (the caller names the tensor)."""
+    if x.device != CPU or x.dim() != 2 or x.numel() == 0 or dequantized not in (None, torch.float32, torch.bfloat16):
         return None
     lib = library()
     if lib is None:
@@ -316,11 +317,11 @@ def quantize_blocks(
     m, k = x.shape
     if x.dtype != torch.float32 or (x.stride(1) != 1 and k > 1) or x.stride(0) < k:
         x = x.float().contiguous()
-    out = torch.empty(m, k, dtype=torch.bfloat16 if dequantized else torch.uint8)
+    out = torch.empty(m, k, dtype=dequantized or torch.uint8)
     scales = torch.empty(-(-m // bm), -(-k // bk), dtype=torch.float32)
     codes, values = (None, out.data_ptr()) if dequantized else (out.data_ptr(), None)
     if lib.fp8rl_quantize_blocks(x.data_ptr(), x.stride(0), m, k, bm, bk, amax_floor, ue8m0,
-                                 codes, values, scales.data_ptr()):
+                                 codes, values, dequantized == torch.bfloat16, scales.data_ptr()):
         raise ValueError("NaN or Inf")
     return (out if dequantized else out.view(torch.float8_e4m3fn)), scales
 

@@ -328,25 +328,25 @@ def dequantize(q: QTensor, dtype: torch.dtype = torch.float32, compiled: bool = 
     return out if dtype == torch.float32 else out.to(dtype)
 
 
-def quantize_dequantize_bf16(
-    x: torch.Tensor, block: tuple[int, int], scale_fmt: str = "fp32", name: str = "tensor",
-    amax_floor: float = AMAX_FLOOR, compiled: bool = True,
+def quantize_dequantize_blocks(
+    x: torch.Tensor, block: tuple[int, int], dtype: torch.dtype = torch.float32, scale_fmt: str = "fp32",
+    name: str = "tensor", amax_floor: float = AMAX_FLOOR, compiled: bool = True,
 ) -> torch.Tensor:
-    """``dequantize(quantize(x, block, "e4m3", scale_fmt, amax_floor=amax_floor), torch.bfloat16)`` ``[M, K]``, bit
-    for bit (signs of zero included), without storing FP8: the FP8 backward's operands
-    for a backend whose GEMM multiplies BF16 values (``Backend.grad_operand``). A 2-D CPU
-    tensor takes one compiled pass where available (``kernels.quantize_blocks`` with
-    ``dequantized``) instead of three (quantize, dequantize, the BF16 rounding)."""
+    """``dequantize(quantize(x, block, "e4m3", scale_fmt, amax_floor=amax_floor), dtype)`` ``[M, K]``,
+    bit for bit (signs of zero included), without storing FP8: the FP8 backward's operands
+    for a backend whose GEMM multiplies dequantized values (``Backend.grad_operand``). A
+    2-D CPU tensor takes one compiled pass where available (``kernels.quantize_blocks``
+    with ``dequantized``) instead of two or three (quantize, dequantize, a BF16 rounding)."""
     if compiled and scale_fmt in SCALE_FORMATS and x.is_floating_point() and x.element_size() > 1:
         try:
-            made = kernels.quantize_blocks(x, *_check_block(block), scale_fmt == "ue8m0", amax_floor, dequantized=True)
+            made = kernels.quantize_blocks(x, *_check_block(block), scale_fmt == "ue8m0", amax_floor, dequantized=dtype)
         except ValueError:
             raise NonFiniteError(f"quantize: tensor {name!r} contains NaN or Inf") from None
         if made is not None:
             return made[0]
     # quantize refuses what the kernel does not take (a bad format, dtype or shape) with its message
     q = quantize(x, block, scale_fmt=scale_fmt, name=name, amax_floor=amax_floor, compiled=compiled)
-    return dequantize(q, torch.bfloat16, compiled)
+    return dequantize(q, dtype, compiled)
 
 
 def _dequantize32(q: QTensor) -> torch.Tensor:

@@ -561,6 +561,13 @@ class ShardedMaster:
                 layer.release_weight()
         return freed
 
+    def restore(self) -> None:
+        """Give every released weight its memory back, uninitialized and without its
+        quantized forms (``FP8Linear.restore_weight``), for a checkpoint load to fill;
+        then ``push()`` and ``release()`` again."""
+        for layer in self.releasable.values():
+            layer.restore_weight()
+
     def step(self, grads: list[torch.Tensor]) -> None:
         """One AdamW step of this rank's shards on `grads`, its rows of each
         parameter's gradient (`row_shard`), then `pull()`."""

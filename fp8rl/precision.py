@@ -252,7 +252,9 @@ def convert_linears(module: nn.Module, flow: PrecisionFlow | str, backend: Backe
     return plan
 
 
-def apply_flow(model: nn.Module, flow: PrecisionFlow | str, backend: Backend | str = "auto") -> FlowPlan:
+def apply_flow(
+    model: nn.Module, flow: PrecisionFlow | str, backend: Backend | str = "auto", quantize: bool = True
+) -> FlowPlan:
     """Put ``model`` under a precision flow, in place, and return the resolved plan.
 
     ``flow``: a PrecisionFlow or a preset name; ``backend``: "auto"
@@ -262,7 +264,10 @@ def apply_flow(model: nn.Module, flow: PrecisionFlow | str, backend: Backend | s
     AttentionPlan, every one with a ``head_plan`` (the model) its HeadPlan,
     every one with a ``router_backend`` (MoE routers, kept in FP32) the backend,
     every one with ``fused_pointwise`` (RMSNorm, MLP) the backend's choice of kernels.
-    The weights are quantized here, once.
+    The weights are quantized here, once; with ``quantize=False`` each linear's on first
+    use instead (its forward, or ``FP8Linear.release_weight``), so that a data-parallel
+    rank, which releases the FP32 weights one linear at a time, never holds all of them
+    and all their quantized forms at once.
     """
     if getattr(model, "flow_plan", None) is not None:
         raise ValueError(f"a precision flow ({model.flow_plan.flow.name}) is already applied to this model")
@@ -276,7 +281,8 @@ def apply_flow(model: nn.Module, flow: PrecisionFlow | str, backend: Backend | s
             m.router_backend = plan.backend
         if hasattr(m, "fused_pointwise"):  # RMSNorm, MLP: kernels.c's loops or torch's ops
             m.fused_pointwise = plan.backend.fused_pointwise
-    refresh_weights(model)
+    if quantize:
+        refresh_weights(model)
     return plan
 
 

@@ -68,6 +68,7 @@ from fp8rl.distributed import (
 )
 from fp8rl.evaluate import evaluate
 from fp8rl.fp8 import NonFiniteError
+from fp8rl.fp8.linear import released_weights_memo
 from fp8rl.runlog import RunLogger, read_metrics, write_summary
 from fp8rl.model.transformer import Transformer
 from fp8rl.optim import AdamW
@@ -230,7 +231,9 @@ class Trainer:
             raise ValueError(f"model {cfg.model!r} has no tokenizer; RL needs one to read answers")
         self.tokenizer = tokenizer
         self.model = model
-        self.plan = apply_flow(model, cfg.flow, backend=cfg.backend)
+        # Data-parallel ranks quantize each linear as they release its FP32 weight (below):
+        # a rank never holds every FP32 weight next to every quantized form.
+        self.plan = apply_flow(model, cfg.flow, backend=cfg.backend, quantize=self.world.size == 1)
         self.flow = self.plan.flow
         self.backend = self.plan.backend.name
         if r.engine == "vllm":  # refused before anything is written
@@ -246,6 +249,11 @@ class Trainer:
         # the FP32 weights, so with vLLM they stay).
         self.master = ShardedMaster(model, adamw, release=r.engine != "vllm") if self.world.size > 1 else None
         self.optimizer = self.master.optimizer if self.master else AdamW(self.params, **adamw)
+        if self.master:
+            freed = self.master.release()  # before anything runs the model or copies it
+            if freed:
+                self.log(f"FP32 weights of the linears released on every rank, {freed / 2**20:.1f} MiB each: "
+                         f"the FSDP2 shards hold them, the forward reads the quantized forms")
         self.task: Task = make_task(cfg.task)
         self.test_problems = self.task.test_problems(cfg.eval.n) if cfg.eval.n > 0 else []
         if self.flow.needs_calibration:
@@ -268,11 +276,6 @@ class Trainer:
         self._grad_sum: GradientSum | None = None
         self._group_calls = [0] * len(self.grad_groups)  # per group: forward calls whose backward is to come
         self._watched = backward_modules(model) if self.world.size > 1 else []  # see _watching_group_inputs
-        if self.master:
-            freed = self.master.release()
-            if freed:
-                self.log(f"FP32 weights of the linears released on every rank, {freed / 2**20:.1f} MiB each: "
-                         f"the FSDP2 shards hold them, the forward reads the quantized forms")
         # only now that model and task loaded: a failed start leaves no stale run behind
         self.world.barrier()  # every rank has checked the run directory before rank 0 writes to it
         if self.world.is_main:
@@ -326,8 +329,9 @@ class Trainer:
     @staticmethod
     def _frozen_copy(model: Transformer) -> Transformer:
         """The KL reference: a copy that never changes, so its linears keep only
-        their quantized weights (no FP32 copy of them)."""
-        ref = copy.deepcopy(model)
+        their quantized weights (no FP32 copy of them). A data-parallel rank's model
+        has released them already: the copy then never holds them at all."""
+        ref = copy.deepcopy(model, released_weights_memo(model))
         for p in ref.parameters():
             p.requires_grad_(False)
         for layer in fp8_linears(ref):
@@ -368,6 +372,8 @@ class Trainer:
         # by data-parallel ranks: read as shards of any world size.
         one_process = not (ckpt / SHARDED_OPTIMIZER).is_dir()
         full_opt = AdamW(self.params, lr=self.cfg.train.lr) if self.master and one_process else None
+        if self.master:
+            self.master.restore()  # the checkpoint's weights need somewhere to go; released again below
         try:
             if full_opt is not None:
                 meta = load_checkpoint(ckpt, self.model, full_opt)
@@ -387,7 +393,9 @@ class Trainer:
             self.master.push()
             if full_opt is not None:
                 self.master.load_full_optimizer(full_opt)
-        refresh_weights(self.model)
+            self.master.release()  # quantizes each loaded weight, then frees it
+        for layer in fp8_linears(self.model):
+            layer.ensure_fresh()  # the loaded weights quantized (a released one was, as it was freed)
         if self.world.is_main:
             RunLogger(self.run_dir, use_tensorboard=False).truncate_after(self.step)
         self.log(f"resumed from {ckpt} at step {self.step}")

@@ -492,9 +492,12 @@ def assert_same_run(a: Path, b: Path, step: int, evals: bool = True) -> None:
 def test_two_ranks_train_exactly_what_one_process_trains(tmp_path: Path):
     """The fast 2-rank check of the default suite: jet-kv (FP8 weights, KV cache
     and attention, so the Q/K/V calibration is pooled across ranks) on the fast
-    `cpu` backend, 2 steps of 2 optimizer steps each, 2 gradient chunks."""
-    train(tmp_path, "one", 1)
-    two = train(tmp_path, "two", 2)
+    `cpu` backend, 2 steps of 2 optimizer steps each, 2 gradient chunks, with a KL
+    penalty (its frozen reference is a copy of a rank's model after its release; from the
+    second optimizer step on, the policy differs from it and the penalty is in the loss)."""
+    kl = ("--set", "train.kl_coef=0.05")
+    train(tmp_path, "one", 1, extra=kl)
+    two = train(tmp_path, "two", 2, extra=kl)
     assert "2 data-parallel ranks" in two.stdout
     assert "FP32 weights of the linears released on every rank" in two.stdout  # only FSDP2 shards hold them
     assert_same_run(tmp_path / "one", tmp_path / "two", 2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 
@@ -12,6 +13,7 @@ import torch.nn as nn
 from numerics import sqnr_db
 
 from fp8rl.fp8 import FP8Linear, LinearPlan, dequantize, fp8_matmul, quantize
+from fp8rl.fp8.linear import released_weights_memo
 from fp8rl.precision import PRESETS, PrecisionFlow, convert_linears, phase, refresh_weights, resolve_plan
 
 T_SHAPE, K, N = (2, 128), 576, 320  # 256 tokens; 576 = 4.5 and 320 = 2.5 blocks of 128
@@ -153,18 +155,19 @@ def test_fp8_gemms_are_the_block_recipe():
     assert not torch.equal(dw, reuse)
 
 
-def test_amx_fp8_backward_multiplies_the_dequantized_codes():
-    """On `amx` the FP8 backward's gradient and input reach the BF16 GEMM as one compiled
-    pass each (`Backend.grad_operand`): the bits of quantizing, dequantizing and rounding
-    them to BF16 (the QTensor path of `fp8_matmul`), signs of zero included."""
+@pytest.mark.parametrize("backend", ["cpu", "amx"])
+def test_fp8_backward_multiplies_the_dequantized_codes(backend: str):
+    """On `cpu` and `amx` the FP8 backward's gradient and input reach the GEMM as one
+    compiled pass each (`Backend.grad_operand`: FP32, or BF16 for `amx`): the bits of
+    quantizing and dequantizing them (the QTensor path of `fp8_matmul`), signs of zero included."""
     _, layer, x, dy = setup("jet-e2e")
-    layer.plan = resolve_plan(PRESETS["jet-e2e"], "amx").linear["train"]
+    layer.plan = resolve_plan(PRESETS["jet-e2e"], backend).linear["train"]
     with torch.no_grad():
         dy.view(-1)[:3] = torch.tensor([-0.0, -1e-30, 1e-30])  # values that quantize to signed zeros
     _, dx, dw, _ = run(layer, x, dy)
     x2, dy2 = x.detach().reshape(-1, K), dy.reshape(-1, N)
-    want_dx = fp8_matmul(quantize(dy2), layer.qweight.t(), backend="amx", invariant=False)
-    want_dw = fp8_matmul(quantize(dy2, (128, 1)).t(), quantize(x2, (128, 1)).t(), backend="amx", invariant=False)
+    want_dx = fp8_matmul(quantize(dy2), layer.qweight.t(), backend=backend, invariant=False)
+    want_dw = fp8_matmul(quantize(dy2, (128, 1)).t(), quantize(x2, (128, 1)).t(), backend=backend, invariant=False)
     assert torch.equal(dx.reshape(-1, K), want_dx) and torch.equal(dw, want_dw)
 
 
@@ -260,8 +263,15 @@ def test_a_released_weight_frees_its_memory_and_changes_no_bit(flow_name):
         assert torch.equal(layer(x), y_roll)
     with pytest.raises(RuntimeError, match="weight was released"):
         layer.refresh_weight()
+    # a copy of the released layer (the KL reference of a data-parallel rank) keeps its
+    # copied forms, released again as it is: the same bits
+    twin = copy.deepcopy(layer, released_weights_memo(layer))
+    twin.release_weight()
+    twin.plan = plan(flow_name)
+    assert twin.weight_released and all(torch.equal(a, b) for a, b in zip(before, run(twin, x, dy)))
     layer.restore_weight()
     assert not layer.weight_released
+    assert layer.qweight is None and layer.weight_bf16 is None  # the old forms are not kept next to it
     with torch.no_grad():
         layer.weight.copy_(saved)
     layer.plan = plan(flow_name)

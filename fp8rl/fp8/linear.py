@@ -193,6 +193,21 @@ class _FP8LinearFn(torch.autograd.Function):
         return dx, dw, db, None, None, None
 
 
+def released_weights_memo(module: nn.Module) -> dict[int, nn.Parameter]:
+    """A ``copy.deepcopy`` memo for ``module`` that gives each released FP8Linear weight
+    (``FP8Linear.release_weight``) a released Parameter of its shape in the copy: copying
+    the weight itself would read its values from storage that holds none. The copied
+    layer keeps the copied quantized forms (its ``release_weight()`` adopts them)."""
+    memo: dict[int, nn.Parameter] = {}
+    for layer in module.modules():
+        if isinstance(layer, FP8Linear) and layer.weight_released:
+            w = layer.weight
+            twin = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device=w.device), requires_grad=w.requires_grad)
+            twin.untyped_storage().resize_(0)  # never written, so never resident
+            memo[id(w)] = twin
+    return memo
+
+
 class FP8Linear(nn.Module):
     """Drop-in replacement for ``nn.Linear`` (same parameters, same state_dict keys).
 
@@ -258,18 +273,24 @@ class FP8Linear(nn.Module):
         backward of every plan read; the Parameter keeps its shape, so autograd
         still gives it a gradient. For a copy whose weights another tensor holds
         (a data-parallel rank's compute model: the FSDP2 master shards) or never
-        changes (the frozen KL reference). Quantizes first if the forms are stale."""
-        self.ensure_fresh()
-        self.weight.untyped_storage().resize_(0)
+        changes (the frozen KL reference). Quantizes first if the forms are stale. A weight
+        released already keeps the forms it has: they came from it before its release (or,
+        in a deep copy of a released layer, from the weight it copies)."""
+        if not self.weight_released:
+            self.ensure_fresh()
+            self.weight.untyped_storage().resize_(0)
         self._cache_key = self._key()  # the released weight is the one these forms came from
 
     @torch.no_grad()
     def restore_weight(self) -> None:
         """Give a released weight its memory back (uninitialized: the caller fills
-        it, then ``refresh_weight()``)."""
+        it, then ``refresh_weight()``). Its quantized forms are dropped (the next
+        forward or release quantizes the new values), so they are not held next to it."""
         if self.weight_released:
             w = self.weight
             w.untyped_storage().resize_(w.numel() * w.element_size())
+            self.qweight = self.weight_bf16 = None
+            self._cache_key = None
 
     def ensure_fresh(self) -> None:
         """Requantize if the master weight changed since the last quantization

@@ -275,3 +275,18 @@ def test_e4m3_storage_on_other_instruction_sets(tmp_path, flags: tuple[str, ...]
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["True", "True"], done.stdout
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "amx"])
+def test_a_forward_on_no_tokens_gives_no_logits(backend: str):
+    """A model forward on [B, 0] token ids returns [B, 0, vocab] under every backend (the
+    fused kernel used to refuse the empty tensors' arbitrary strides, the torch attention
+    to infer a key axis from no elements)."""
+    from fp8rl.model import load
+    from fp8rl.precision import apply_flow, phase
+
+    model, _ = load("tiny-arith")
+    apply_flow(model, "jet-kv", backend=backend)
+    with torch.no_grad(), phase(model, "train"):
+        logits = model(torch.zeros(2, 0, dtype=torch.long))
+    assert logits.shape == (2, 0, model.config.vocab_size) and logits.dtype == torch.float32

@@ -394,6 +394,8 @@ def attention(
     fp8 = kt.dtype == torch.float8_e4m3fn
     if (k_scale is not None) != fp8 or (v_scale is not None) != fp8:
         raise ValueError(f"attention: float8_e4m3fn keys and values take both scales, {kt.dtype} ones none")
+    if q.numel() == 0:  # no query rows (an empty tensor's strides are arbitrary): nothing to attend
+        return torch.empty(q.shape, dtype=torch.float32)
     chunks = -(-length // 16) * 16  # the kernel reads keys and mask in whole 16-slot chunks
     if kt.stride(-1) != 1 or v.stride(-1) != 1 or mask.stride(-1) != 1:
         raise ValueError("attention: keys, values and mask need a contiguous last axis")

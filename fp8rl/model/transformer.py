@@ -353,14 +353,15 @@ def attend(
     Hkv = k.shape[1]
     qg = q.reshape(B, Hkv, (H // Hkv) * T, D)  # query heads of a group, then tokens
     scale = 1.0 / math.sqrt(D)
-    scores = plan.backend.attention_scores(qg, k).reshape(B, H, T, -1)  # [B, H, T, L], a new tensor
+    L = k.shape[-2]
+    scores = plan.backend.attention_scores(qg, k).reshape(B, H, T, L)  # [B, H, T, L], a new tensor
     # Scaled and masked in place: at long T these [T, L] products are the forward's largest
     # tensors, and a fresh one costs more in page faults than the arithmetic (the same bits).
     scores.mul_(scale).masked_fill_(blocked, float("-inf"))
     p = torch.softmax(scores, dim=-1)
     if plan.qp == "fp8":
         p = store_heads(p, "fp8", torch.full((p.shape[1],), P_SCALE, device=p.device))
-    out = plan.backend.attention_values(p.reshape(B, Hkv, (H // Hkv) * T, -1), v)  # [B, Hkv, G*T, D]
+    out = plan.backend.attention_values(p.reshape(B, Hkv, (H // Hkv) * T, L), v)  # [B, Hkv, G*T, D]
     return out.reshape(B, H, T, D)
 
 

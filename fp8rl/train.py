@@ -81,7 +81,7 @@ from fp8rl.precision import (
 )
 from fp8rl.prompts import encode_prompts
 from fp8rl.rl.correction import importance_weights
-from fp8rl.rl.grpo import group_advantages, masked_mean, policy_loss
+from fp8rl.rl.grpo import group_advantages, policy_loss
 from fp8rl.rl.metrics import (
     METRIC_NAMES, MISMATCH_METRICS, ROUTING_METRICS, SEQUENCE_METRICS, mismatch_metrics, routing_mismatch,
     sequence_mismatch,

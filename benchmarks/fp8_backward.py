@@ -5,9 +5,9 @@ Under `jet-e2e`, `jet-kv` and `fp8-grads` every linear's backward quantizes its 
 and `amx` the GEMMs multiply dequantized values, so `Backend.grad_operand` makes them in one
 compiled pass (FP32 for `cpu`, BF16 for `amx`) instead of codes that are then dequantized
 (and, for `amx`, rounded to BF16): the same bits (tests/test_fp8_linear.py). This script
-times one training forward and backward of a model under a flow, in one process, with the
-base class's `grad_operand` (the QTensor of `quantize`: the path before) and with the
-backend's own, alternated round by round, and reports the backward's median seconds.
+times one training forward and backward of a model under a flow, in one process, with
+`Backend.grad_operand_dtype` set to None (the QTensor of `quantize`: the path before) and
+with the backend's own, alternated round by round, and reports the backward's median seconds.
 
     python benchmarks/fp8_backward.py --model smollm2-135m-instruct --flow jet-kv --backend amx
     python benchmarks/fp8_backward.py --model smollm2-135m-instruct --flow jet-kv --backend cpu --rounds 7
@@ -26,7 +26,6 @@ import time
 import torch
 from vs_trl import cpu_name  # benchmarks/ is on sys.path when a script here runs
 
-from fp8rl.fp8.backends import Backend
 from fp8rl.model import load
 from fp8rl.precision import apply_flow, phase
 
@@ -46,8 +45,8 @@ def main() -> None:
     if plan.linear["train"].dgrad != "fp8" and plan.linear["train"].wgrad != "fp8":
         sys.exit(f"flow {args.flow} has no FP8 backward GEMM; take jet-e2e, jet-kv or fp8-grads")
     backend_cls = type(plan.backend)
-    own = backend_cls.__dict__["grad_operand"]
-    paths = {"qtensor": Backend.grad_operand, "grad_operand": own}
+    own = backend_cls.grad_operand_dtype
+    paths = {"qtensor": None, "grad_operand": own}  # Backend.grad_operand_dtype of each path
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.tokens), generator=torch.Generator().manual_seed(0))
 
     def backward_s() -> float:
@@ -64,12 +63,12 @@ def main() -> None:
         for r in range(args.rounds + 1):
             order = list(paths) if r % 2 == 0 else list(reversed(paths))
             for name in order:
-                backend_cls.grad_operand = paths[name]
+                backend_cls.grad_operand_dtype = paths[name]
                 s = backward_s()
                 if r > 0:  # round 0 warms both up
                     times[name].append(s)
     finally:
-        backend_cls.grad_operand = own
+        backend_cls.grad_operand_dtype = own
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"{args.model}, {args.flow} on {args.backend}, {args.batch} x {args.tokens} tokens, {cpu_name()}",
           file=sys.stderr)

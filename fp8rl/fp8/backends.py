@@ -633,6 +633,9 @@ class Backend:
     # every forward under this backend runs: a decode step's rows and the training forward's get
     # the same bits) where the compiled kernels load; elsewhere (and for `reference`) torch's ops.
     fused_pointwise: bool = False
+    # What an FP8 backward GEMM's operands are made as (`grad_operand`): None, the QTensor of
+    # `quantize`; a dtype, for a backend that multiplies dequantized values, those values.
+    grad_operand_dtype: torch.dtype | None = None
 
     def fp8_matmul(self, a: QTensor, b: QTensor, out_dtype: torch.dtype, invariant: bool = True) -> torch.Tensor:
         """``dequant(a) @ dequant(b).T`` -> ``[M, N]`` in ``out_dtype``; ``b`` is the
@@ -642,10 +645,13 @@ class Backend:
     def grad_operand(self, x: torch.Tensor, block: tuple[int, int], scale_fmt: str, name: str) -> QTensor | torch.Tensor:
         """An FP8 backward GEMM's operand ``x [M, K]`` (a gradient or a saved input, high
         precision) quantized to E4M3 ``block``s, in the form this backend's ``fp8_matmul``
-        (``invariant=False``) multiplies; ``.t()`` transposes either form. Default: the
-        QTensor of ``quantize``; a backend that multiplies dequantized values returns them
-        (``quantize_dequantize_blocks``: the same numbers in one pass)."""
-        return quantize(x, block, scale_fmt=scale_fmt, name=name)
+        (``invariant=False``) multiplies; ``.t()`` transposes either form: the QTensor of
+        ``quantize``, or with ``grad_operand_dtype`` the dequantized values in that dtype
+        (``quantize_dequantize_blocks``: the same numbers in one pass instead of quantize,
+        dequantize and a rounding)."""
+        if self.grad_operand_dtype is None:
+            return quantize(x, block, scale_fmt=scale_fmt, name=name)
+        return quantize_dequantize_blocks(x, block, self.grad_operand_dtype, scale_fmt, name)
 
     def linear_input(
         self, x: torch.Tensor, bk: int, scale_fmt: str, name: str, amax_floor: float = AMAX_FLOOR
@@ -815,6 +821,7 @@ class CPUBackend(Backend):
     batch_invariant = True
     fused_attention = True
     fused_pointwise = True
+    grad_operand_dtype = torch.float32  # the FP8 backward multiplies FP32 values
 
     def fp8_matmul(
         self, a: QTensor | torch.Tensor, b: QTensor | torch.Tensor, out_dtype: torch.dtype, invariant: bool = True
@@ -831,11 +838,6 @@ class CPUBackend(Backend):
             return _full_k(a, b).to(out_dtype)
         bk = a.block[1]
         return _accumulate_k_blocks(fp8_to_float(a.data), self._weight_blocks(b), bk, _row_scales(a)).to(out_dtype)
-
-    def grad_operand(self, x: torch.Tensor, block: tuple[int, int], scale_fmt: str, name: str) -> torch.Tensor:
-        """The FP32 values ``fp8_matmul`` multiplies (``quantize_dequantize_blocks``), in one
-        pass instead of quantize and the scaling of the codes' values."""
-        return quantize_dequantize_blocks(x, block, torch.float32, scale_fmt, name)
 
     def linear_input(
         self, x: torch.Tensor, bk: int, scale_fmt: str, name: str, amax_floor: float = AMAX_FLOOR
@@ -896,6 +898,7 @@ class AMXBackend(Backend):
     batch_invariant = True
     fused_attention = True
     fused_pointwise = True
+    grad_operand_dtype = torch.bfloat16  # the FP8 backward multiplies BF16 values
 
     def fp8_matmul(
         self, a: QTensor | torch.Tensor, b: QTensor | torch.Tensor, out_dtype: torch.dtype, invariant: bool = True
@@ -906,11 +909,6 @@ class AMXBackend(Backend):
         if isinstance(b, torch.Tensor):
             return _native_rows(a, b, invariant, {}).to(out_dtype)
         return _native_rows(a, self._bf16_form(b), invariant, b.cache).to(out_dtype)
-
-    def grad_operand(self, x: torch.Tensor, block: tuple[int, int], scale_fmt: str, name: str) -> torch.Tensor:
-        """The BF16 values ``fp8_matmul`` multiplies (``quantize_dequantize_blocks``), in
-        one pass instead of quantize, dequantize and the BF16 rounding."""
-        return quantize_dequantize_blocks(x, block, torch.bfloat16, scale_fmt, name)
 
     def linear_input(
         self, x: torch.Tensor, bk: int, scale_fmt: str, name: str, amax_floor: float = AMAX_FLOOR
